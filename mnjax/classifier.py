@@ -1,0 +1,69 @@
+"""Train and eval steps for supervised classification, shared by experiments and benchmarks.
+
+These are ordinary jitted JAX functions over a `flax.training.train_state.TrainState`;
+data parallelism enters only through the optax chain the state was built with (e.g.
+``optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3))``). Metrics come back as
+additive sums (loss sum, number correct, number of examples) so that
+`mnjax.allreduce_metrics` can make them exact global figures.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training.train_state import TrainState
+
+__all__ = ["create_train_state", "train_step", "eval_step"]
+
+
+def create_train_state(
+    model: nn.Module, tx: optax.GradientTransformation, sample: jnp.ndarray, rng: jax.Array
+) -> TrainState:
+  """Initialises `model` on a sample batch and wraps it with `tx` in a `TrainState`.
+
+  Example:
+    >>> state = create_train_state(SmallCNN(), tx, jnp.zeros((1, 8, 8, 1)), jax.random.key(0))
+  """
+  params = model.init(rng, sample)["params"]
+  return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+def _loss_and_metrics(params, apply_fn, images, labels, weights):
+  logits = apply_fn({"params": params}, images)
+  per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  correct = (jnp.argmax(logits, -1) == labels) * weights
+  metrics = {
+      "loss_sum": jnp.sum(per_example * weights),
+      "correct": jnp.sum(correct).astype(jnp.int32),
+      "count": jnp.sum(weights).astype(jnp.int32),
+  }
+  return jnp.sum(per_example * weights) / jnp.sum(weights), metrics
+
+
+@jax.jit
+def train_step(state: TrainState, images: jax.Array, labels: jax.Array):
+  """One optimizer step on the mean loss of this rank's batch; returns ``(state, metrics)``.
+
+  Example:
+    >>> state, metrics = train_step(state, images, labels)
+  """
+  weights = jnp.ones(labels.shape, jnp.float32)
+  grads, metrics = jax.grad(_loss_and_metrics, has_aux=True)(
+      state.params, state.apply_fn, images, labels, weights
+  )
+  return state.apply_gradients(grads=grads), metrics
+
+
+@jax.jit
+def eval_step(state: TrainState, images: jax.Array, labels: jax.Array, mask: jax.Array):
+  """Sums of loss, correct predictions and examples over the entries where `mask` is True.
+
+  Example:
+    >>> sums = eval_step(state, x[idx], y[idx], mask)   # then mnjax.allreduce_metrics
+  """
+  _, metrics = _loss_and_metrics(
+      state.params, state.apply_fn, images, labels, mask.astype(jnp.float32)
+  )
+  return metrics

@@ -1,0 +1,157 @@
+"""Who am I: MPI rank and size, node-local ranks, local devices — the `Communicator`.
+
+A `Communicator` is a small frozen record that every other layer reads. It owns a private
+clone of the MPI communicator it was built from, so mnjax's traffic never mixes with the
+user's own mpi4py messages (mpi4jax's convention). Nothing here traces JAX code.
+
+Building one is collective: every rank of `mpi_comm` must call `create_communicator` with
+the same arguments, in the same order relative to other collective calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mpi4py import MPI
+
+__all__ = ["Communicator", "create_communicator", "KINDS", "check_communicator"]
+
+#: Every communicator kind mnjax knows, with what it does (README, "Communicator kinds").
+KINDS: dict[str, str] = {
+    "flat": "one MPI process per device; one MPI allreduce of the fused gradient buffer",
+    "hierarchical": "psum over local devices, then MPI allreduce among processes",
+    "two_dimensional": "reduce-scatter over local devices, shards allreduced across nodes",
+    "single_node": "psum over the local devices of a single process, no MPI traffic",
+    "xla": "JAX-native: jax.distributed + a global mesh, psum across all devices",
+}
+
+#: Kinds implemented in this release. The others are designed (see KINDS) but not built yet.
+IMPLEMENTED_KINDS = ("flat",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Communicator:
+  """The process's place in the job, and the MPI communicator mnjax uses.
+
+  Attributes:
+    kind: the communicator kind (see `KINDS`).
+    rank: this process's rank among all processes.
+    size: the number of processes.
+    intra_rank: rank among the processes on this node (MPI shared-memory split).
+    intra_size: number of processes on this node.
+    inter_rank: index of this node among the nodes (0 .. inter_size - 1).
+    inter_size: number of nodes.
+    local_device_count: JAX devices this process drives (1 for ``flat``).
+    axis_name: the mapped-axis name user code may reduce over (e.g. BatchNorm).
+    mpi_comm: mnjax's private clone of the MPI communicator (not part of equality).
+  """
+
+  kind: str
+  rank: int
+  size: int
+  intra_rank: int
+  intra_size: int
+  inter_rank: int
+  inter_size: int
+  local_device_count: int
+  axis_name: str
+  handle: int  # MPI handle of the clone: two clones are different communicators
+  mpi_comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
+
+  @property
+  def num_replicas(self) -> int:
+    """Model replicas in the job: processes x local devices."""
+    return self.size * self.local_device_count
+
+  @property
+  def is_root(self) -> bool:
+    """True on rank 0, the rank that logs and writes files."""
+    return self.rank == 0
+
+
+def check_communicator(comm: Any, caller: str) -> Communicator:
+  """Raises a `TypeError` saying how to build one unless `comm` is a `Communicator`."""
+  if not isinstance(comm, Communicator):
+    raise TypeError(
+        f"{caller} needs an mnjax Communicator as its first argument, got"
+        f" {type(comm).__name__} ({comm!r}). Build one once per process, on every rank:"
+        " `comm = mnjax.create_communicator('flat')`, then pass it:"
+        f" `{caller}(comm, ...)`."
+    )
+  return comm
+
+
+def _check_kind(kind: Any) -> str:
+  if not isinstance(kind, str) or kind not in KINDS:
+    raise ValueError(
+        f"create_communicator: unknown communicator kind {kind!r}. Expected one of"
+        f" {', '.join(repr(k) for k in KINDS)}; for one MPI process per device use"
+        " create_communicator('flat')."
+    )
+  if kind not in IMPLEMENTED_KINDS:
+    raise NotImplementedError(
+        f"create_communicator: kind {kind!r} ({KINDS[kind]}) is designed but not"
+        f" implemented in this release; implemented kinds: {IMPLEMENTED_KINDS}. Run one"
+        " MPI process per device with create_communicator('flat')."
+    )
+  return kind
+
+
+def create_communicator(
+    kind: str = "flat",
+    mpi_comm: MPI.Intracomm | None = None,
+    *,
+    axis_name: str = "batch",
+) -> Communicator:
+  """Builds the communicator for data-parallel training (collective: call on every rank).
+
+  Args:
+    kind: how gradients are reduced; one of `KINDS`. ``flat``: one MPI process per device.
+    mpi_comm: the MPI communicator whose processes train together (default:
+      ``MPI.COMM_WORLD``); mnjax uses a private clone of it. ``MPI.COMM_SELF`` gives a
+      size-1 communicator.
+    axis_name: name of the mapped device axis, for user code that reduces over it.
+
+  Returns:
+    A frozen, hashable `Communicator`.
+
+  Example:
+    >>> import mnjax
+    >>> comm = mnjax.create_communicator("flat")  # under mpirun -n 4: comm.size == 4
+    >>> comm.rank < comm.size
+    True
+  """
+  kind = _check_kind(kind)
+  if mpi_comm is None:
+    mpi_comm = MPI.COMM_WORLD
+  if not isinstance(mpi_comm, MPI.Intracomm):
+    raise TypeError(
+        "create_communicator: mpi_comm must be an mpi4py Intracomm (e.g."
+        f" MPI.COMM_WORLD), got {type(mpi_comm).__name__}."
+    )
+  if not isinstance(axis_name, str) or not axis_name:
+    raise ValueError(f"create_communicator: axis_name must be a non-empty str, got {axis_name!r}.")
+
+  clone = mpi_comm.Clone()
+  node = clone.Split_type(MPI.COMM_TYPE_SHARED, key=clone.rank)
+  intra_rank, intra_size = node.rank, node.size
+  # Node index: count the node leaders (node-local rank 0) that come before ours.
+  leader = int(intra_rank == 0)
+  inter_size = clone.allreduce(leader)
+  before = clone.exscan(leader)
+  inter_rank = node.bcast(before or 0, root=0)
+  node.Free()
+  return Communicator(
+      kind=kind,
+      rank=clone.rank,
+      size=clone.size,
+      intra_rank=intra_rank,
+      intra_size=intra_size,
+      inter_rank=inter_rank,
+      inter_size=inter_size,
+      local_device_count=1,
+      axis_name=axis_name,
+      handle=int(clone.py2f()),
+      mpi_comm=clone,
+  )

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install everything mnjax needs.
+#
+#   scripts/setup.sh                 # .venv with MPICH from the `mpich` wheel (one machine)
+#   MNJAX_MPI=system scripts/setup.sh  # use the cluster's MPI (its mpicc must be on PATH)
+#   MNJAX_EXTRAS=cuda scripts/setup.sh # also jaxlib's CUDA plugin
+#
+# Environment:
+#   MNJAX_VENV    where the venv lives (default: <repo>/.venv)
+#   PYTHON        interpreter to build it from (default: python3.11, else python3 >= 3.11)
+#   MNJAX_MPI     "mpich" (default: the PyPI wheel) or "system"
+#   MNJAX_EXTRAS  extra pip extras, comma-separated (e.g. "cuda")
+#
+# Idempotent: a stamp of the inputs (this file, pyproject.toml, the options) skips the
+# install when nothing changed. Safe to call from every entry point.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${MNJAX_VENV:-$repo/.venv}"
+mpi_kind="${MNJAX_MPI:-mpich}"
+extras="${MNJAX_EXTRAS:-}"
+
+case "$mpi_kind" in
+  mpich|system) ;;
+  *) echo "setup.sh: MNJAX_MPI must be 'mpich' or 'system', got '$mpi_kind'" >&2; exit 2 ;;
+esac
+
+pick_python() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  for p in python3.11 python3; do
+    if command -v "$p" >/dev/null 2>&1; then echo "$p"; return; fi
+  done
+  echo "setup.sh: no python3 found; install Python 3.11 or set PYTHON=/path/to/python3.11" >&2
+  exit 2
+}
+
+stamp_inputs() {
+  cat "$repo/pyproject.toml" "$repo/scripts/setup.sh"
+  echo "mpi=$mpi_kind extras=$extras"
+}
+stamp="$(stamp_inputs | sha256sum | cut -d' ' -f1)"
+if [ -f "$venv/.mnjax-stamp" ] && [ "$(cat "$venv/.mnjax-stamp")" = "$stamp" ]; then
+  exit 0
+fi
+
+py="$(pick_python)"
+"$py" - <<'EOF' || { echo "setup.sh: mnjax needs Python >= 3.11 (set PYTHON=...)" >&2; exit 2; }
+import sys
+sys.exit(0 if sys.version_info >= (3, 11) else 1)
+EOF
+
+echo "setup.sh: preparing $venv (MPI: $mpi_kind)" >&2
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
+"${pip[@]}" install --upgrade pip "setuptools>=68" wheel
+
+# mpi4jax compiles against jax's FFI headers and an MPI compiler. Build it without
+# isolation, against exactly the jax release this project pins, with mpi4py and nanobind
+# already present.
+jax_pin="$(sed -n 's/^ *"jax==\([^"]*\)",.*/\1/p' "$repo/pyproject.toml")"
+mpi4jax_pin="$(sed -n 's/^ *"mpi4jax==\([^"]*\)",.*/\1/p' "$repo/pyproject.toml")"
+if [ "$mpi_kind" = mpich ]; then
+  "${pip[@]}" install "mpich>=4.2" "mpi4py>=4.0"
+  export PATH="$venv/bin:$PATH"  # the wheel's mpicc / mpirun
+else
+  command -v mpicc >/dev/null || { echo "setup.sh: MNJAX_MPI=system needs mpicc on PATH (module load mpi?)" >&2; exit 2; }
+  # mpi4py built from source links the cluster's libmpi.
+  "${pip[@]}" install --no-binary=mpi4py "mpi4py>=4.0"
+fi
+"${pip[@]}" install "jax==$jax_pin" "jaxlib==$jax_pin" "nanobind>=2.0" cython
+
+# mpi4jax's CUDA extension: its setup.py derives the toolkit from `nvcc` on PATH
+# (dirname(nvcc)/..), which is wrong when nvcc is a wrapper (e.g. /usr/local/bin/nvcc) and
+# then fails with "cuda_runtime.h: No such file". Point CUDA_ROOT at the folder whose
+# include/ really holds cuda_runtime.h; with no such folder, point it at an empty one so
+# that only the CPU extension is built.
+find_cuda_root() {
+  local cand nvcc real
+  for cand in "${CUDA_ROOT:-}" "${CUDA_PATH:-}" "${CUDA_HOME:-}"; do
+    [ -n "$cand" ] && [ -f "$cand/include/cuda_runtime.h" ] && { echo "$cand"; return; }
+  done
+  nvcc="$(command -v nvcc || true)"
+  if [ -n "$nvcc" ]; then
+    real="$(readlink -f "$nvcc")"
+    cand="$(dirname "$(dirname "$real")")"
+    [ -f "$cand/include/cuda_runtime.h" ] && { echo "$cand"; return; }
+    # a shell wrapper that execs the real nvcc
+    real="$(grep -o '/[^ "]*/bin/nvcc' "$nvcc" 2>/dev/null | head -n 1 || true)"
+    if [ -n "$real" ]; then
+      cand="$(dirname "$(dirname "$(readlink -f "$real")")")"
+      [ -f "$cand/include/cuda_runtime.h" ] && { echo "$cand"; return; }
+    fi
+  fi
+  for cand in /usr/local/cuda /opt/cuda; do
+    [ -f "$cand/include/cuda_runtime.h" ] && { echo "$cand"; return; }
+  done
+}
+cuda_root="$(find_cuda_root || true)"
+if [ -z "$cuda_root" ]; then
+  cuda_root="$venv/.no-cuda"   # exists, has no include/: mpi4jax builds its CPU extension only
+  mkdir -p "$cuda_root"
+  echo "setup.sh: no CUDA toolkit headers found; building mpi4jax for CPU only" >&2
+else
+  echo "setup.sh: building mpi4jax with CUDA from $cuda_root" >&2
+fi
+if ! "$venv/bin/python" -c "import mpi4jax" 2>/dev/null; then
+  CUDA_ROOT="$cuda_root" CUDA_PATH="" \
+    "${pip[@]}" install --no-build-isolation --no-deps "mpi4jax==$mpi4jax_pin"
+fi
+
+spec="$repo[test"
+[ "$mpi_kind" = mpich ] && spec="$spec,mpich"
+[ -n "$extras" ] && spec="$spec,$extras"
+spec="$spec]"
+"${pip[@]}" install -e "$spec"
+
+"$venv/bin/python" -c "import mnjax, mpi4jax" >/dev/null
+echo "$stamp" > "$venv/.mnjax-stamp"
+echo "setup.sh: ready ($venv)" >&2

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job: data-parallel training of the small CNN on the UCI digits with `mpirun -n 2`.
+#   scripts/train.sh                        # 2 ranks, defaults (see experiments/train.py --help)
+#   MNJAX_RANKS=4 scripts/train.sh --epochs 5 --workdir runs/digits-4
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$repo/scripts/setup.sh"
+venv="${MNJAX_VENV:-$repo/.venv}"
+export PATH="$venv/bin:$PATH"
+cd "$repo"
+exec mpirun -n "${MNJAX_RANKS:-2}" "$venv/bin/python" experiments/train.py "$@"
