@@ -22,7 +22,7 @@ import optax
 from tqdm import tqdm
 
 import mnjax
-from mnjax.classifier import create_train_state, eval_step, train_step
+from mnjax.classifier import create_train_state, evaluate, train_step
 from mnjax.models import SmallCNN
 
 
@@ -52,17 +52,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
       parser.add_argument(f"--{field.name}", type=kind, default=field.default)
   parser.set_defaults(comm="flat")
   return Config(**vars(parser.parse_args(argv)))
-
-
-def evaluate(state, split: mnjax.datasets.Split, comm, global_batch_size: int) -> dict:
-  """Exact accuracy/loss over the whole split: masked sums per rank, then one allreduce."""
-  totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
-  for idx, mask in mnjax.epoch_batches(
-      len(split), comm, global_batch_size, shuffle=False, drop_remainder=False
-  ):
-    sums = eval_step(state, split.images[idx], split.labels[idx], mask)
-    totals = jax.tree.map(lambda a, b: a + b, totals, sums)
-  return mnjax.global_mean(mnjax.allreduce_metrics(totals, comm))
 
 
 def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
@@ -97,7 +86,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
     train_metrics = mnjax.global_mean(mnjax.allreduce_metrics(sums, comm))
-    test_metrics = evaluate(state, test, comm, config.global_batch_size)
+    test_metrics = evaluate(state, test.images, test.labels, comm, config.global_batch_size)
     record = {
         "epoch": epoch,
         "train_loss": train_metrics["loss"],

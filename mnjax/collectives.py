@@ -51,8 +51,8 @@ def check_float_leaves(tree: Any, caller: str) -> None:
     if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
       raise TypeError(
           f"{caller}: every gradient leaf must be a floating-point (or complex) array, but"
-          f" leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype} (type"
-          f" {type(leaf).__name__}). Integer, boolean and float0 leaves cannot be averaged"
+          f" leaf {jax.tree_util.keystr(path) or '<root>'} has dtype"
+          f" {dtype if dtype is not None else type(leaf).__name__}. Integer, boolean and float0 leaves cannot be averaged"
           " across ranks: keep them out of the differentiated parameters (e.g. in a"
           " separate flax collection) or use jax.grad(..., allow_int=False) on float"
           " parameters only."

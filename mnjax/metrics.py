@@ -65,7 +65,7 @@ def allreduce_metrics(metrics: Any, comm: Communicator) -> Any:
   return jax.tree_util.tree_unflatten(treedef, [o if o.ndim else o[()] for o in out])
 
 
-def global_mean(totals: Mapping[str, Any], count_key: str = "count") -> dict[str, float]:
+def global_mean(totals: Mapping[str, Any], count_key: str = "count") -> dict[str, Any]:
   """Turns global sums into means: every ``<name>_sum`` or ``<name>`` divided by the count.
 
   Example:
@@ -80,5 +80,6 @@ def global_mean(totals: Mapping[str, Any], count_key: str = "count") -> dict[str
     if key == count_key:
       means[key] = int(count)
     else:
-      means[key.removesuffix("_sum")] = float(value) / float(count)
+      mean = np.asarray(value, np.float64) / float(count)
+      means[key.removesuffix("_sum")] = float(mean) if mean.ndim == 0 else mean
   return means

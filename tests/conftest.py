@@ -1,0 +1,20 @@
+"""Shared fixtures. The same tests run in one process (size 1) and under mpirun.
+
+`tests/test_mpirun.py` re-runs everything in `tests/distributed/` under `mpirun -n 2` and
+`-n 3`; assertions there are written in terms of `comm.size`.
+"""
+
+import os
+
+# Before jax is imported: one CPU device per process, quiet logs.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+import mnjax  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def comm() -> mnjax.Communicator:
+  """The flat communicator over every process of this test run (COMM_WORLD)."""
+  return mnjax.create_communicator("flat")

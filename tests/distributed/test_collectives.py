@@ -1,0 +1,100 @@
+"""allreduce_tree, allreduce_gradients, broadcast and allreduce_metrics across ranks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mnjax
+from mnjax import collectives
+
+
+def tree_for_rank(rank):
+  base = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+  return {
+      "w": base * (rank + 1),
+      "b": jnp.full((4,), rank + 1.0, jnp.float32),
+      "half": (jnp.ones((3,), jnp.bfloat16) * (rank + 1)),
+  }
+
+
+def count_allreduces(fn, *args):
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return str(jaxpr).count("allreduce_mpi")
+
+
+def test_allreduce_tree_mean_and_sum(comm):
+  tree = tree_for_rank(comm.rank)
+  total = sum(r + 1 for r in range(comm.size))  # sum over ranks of (rank + 1)
+  mean = jax.jit(lambda t: collectives.allreduce_tree(t, comm))(tree)
+  summed = jax.jit(lambda t: collectives.allreduce_tree(t, comm, mean=False))(tree)
+  base = np.arange(6, dtype=np.float32).reshape(2, 3)
+  np.testing.assert_allclose(summed["w"], base * total, rtol=1e-6)
+  np.testing.assert_allclose(mean["w"], base * total / comm.size, rtol=1e-6)
+  np.testing.assert_allclose(mean["b"], np.full(4, total / comm.size), rtol=1e-6)
+  assert mean["half"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(
+      np.asarray(mean["half"], np.float32), np.full(3, total / comm.size), rtol=1e-2
+  )
+
+
+def test_one_collective_per_wire_dtype_not_per_leaf(comm):
+  tree = {f"layer{i}": jnp.ones((i + 1, 3)) for i in range(20)}
+  tree["half"] = jnp.ones((5,), jnp.bfloat16)  # travels in the float32 buffer too
+  calls = count_allreduces(lambda t: collectives.allreduce_tree(t, comm), tree)
+  assert calls == (0 if comm.size == 1 else 1)
+
+
+def test_allreduce_gradients_in_a_user_jitted_step(comm):
+  tx = optax.chain(mnjax.allreduce_gradients(comm), optax.sgd(1.0))
+  params = {"w": jnp.zeros(3)}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, x):
+    grads = jax.grad(lambda p: jnp.sum(p["w"] * x))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  x = jnp.full(3, float(comm.rank))  # local gradient = rank
+  params, state = step(params, state, x)
+  expected = -np.mean(np.arange(comm.size))
+  np.testing.assert_allclose(params["w"], np.full(3, expected), rtol=1e-6)
+
+
+def test_broadcast_gives_roots_tree_to_everyone(comm):
+  root = comm.size - 1
+  tree = {
+      "f": jnp.full((2, 2), float(comm.rank)),
+      "bf16": jnp.full((3,), comm.rank, jnp.bfloat16),
+      "i": np.full((2,), comm.rank, np.int32),
+      "step": jnp.asarray(comm.rank),
+  }
+  out = mnjax.broadcast(tree, comm, root=root)
+  np.testing.assert_array_equal(out["f"], np.full((2, 2), float(root)))
+  np.testing.assert_array_equal(np.asarray(out["bf16"], np.float32), np.full(3, float(root)))
+  np.testing.assert_array_equal(out["i"], np.full(2, root))
+  assert isinstance(out["f"], jax.Array) and isinstance(out["i"], np.ndarray)
+  assert out["bf16"].dtype == jnp.bfloat16 and int(out["step"]) == root
+
+
+def test_broadcast_shape_mismatch_raises_on_every_rank(comm):
+  if comm.size == 1:
+    pytest.skip("a mismatch between ranks needs >= 2 ranks (runs under mpirun)")
+  shape = (3,) if comm.rank == comm.size - 1 else (2,)
+  with pytest.raises(ValueError, match=rf"rank {comm.size - 1} leaf \['w'\] \(3,\)"):
+    mnjax.broadcast({"w": np.zeros(shape, np.float32)}, comm)
+  # Nothing was left half-transferred: the next collective still lines up.
+  assert comm.mpi_comm.allreduce(1) == comm.size
+
+
+def test_allreduce_metrics_exact_integers_and_float_sums(comm):
+  local = {"correct": np.int32(comm.rank + 1), "count": 10, "loss_sum": 0.5,
+           "hist": np.arange(3) * comm.rank}
+  out = mnjax.allreduce_metrics(local, comm)
+  assert out["correct"] == comm.size * (comm.size + 1) // 2
+  assert out["count"] == 10 * comm.size and out["count"].dtype == np.int64
+  assert out["loss_sum"] == pytest.approx(0.5 * comm.size)
+  np.testing.assert_array_equal(out["hist"], np.arange(3) * sum(range(comm.size)))
+  assert mnjax.global_mean(out)["loss"] == pytest.approx(0.05)

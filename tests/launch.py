@@ -1,0 +1,44 @@
+"""Run a command under mpirun with a hard timeout, so that a hang becomes a test failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def mpirun_path() -> str:
+  """The mpirun next to this interpreter (the venv's MPICH), else the one on PATH."""
+  here = Path(sys.executable).parent / "mpirun"
+  found = str(here) if here.exists() else shutil.which("mpirun")
+  if found is None:
+    raise RuntimeError("no mpirun: run the tests through scripts/test.sh (it installs MPICH)")
+  return found
+
+
+def run_mpi(ranks: int, args: list[str], *, timeout: float, env: dict | None = None):
+  """Runs ``mpirun -n ranks <python> args``; kills the whole job after `timeout` seconds.
+
+  Returns the `subprocess.CompletedProcess` (stdout and stderr merged, as text). A job that
+  does not finish in time raises `AssertionError` with the output so far.
+  """
+  cmd = [mpirun_path(), "-n", str(ranks), sys.executable, *args]
+  full_env = {**os.environ, **(env or {})}
+  proc = subprocess.Popen(
+      cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True, start_new_session=True,
+  )
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate()
+    raise AssertionError(
+        f"{' '.join(cmd)} did not finish within {timeout:.0f} s (hang?). Output:\n{out}"
+    ) from None
+  return subprocess.CompletedProcess(cmd, proc.returncode, out, None)

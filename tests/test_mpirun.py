@@ -1,0 +1,26 @@
+"""Runs tests/distributed/ under `mpirun -n 2` and `-n 3`, each under a hard timeout."""
+
+import re
+
+import pytest
+
+from launch import run_mpi
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_distributed_suite_under_mpirun(ranks):
+  result = run_mpi(
+      ranks,
+      [
+          "-m", "pytest", "tests/distributed", "-q", "-p", "no:cacheprovider",
+          # A test stuck in an MPI call cannot be interrupted by a signal: the thread method
+          # dumps the stacks and exits the rank, and mpirun then ends the whole job.
+          "--timeout=180", "--timeout-method=thread",
+      ],
+      timeout=900,
+  )
+  assert result.returncode == 0, result.stdout[-20000:]
+  # Every rank ran the suite and none skipped everything.
+  summaries = re.findall(r"(\d+) passed", result.stdout)
+  assert len(summaries) == ranks, result.stdout[-5000:]
+  assert all(int(n) >= 10 for n in summaries), result.stdout[-5000:]
