@@ -3,7 +3,7 @@
 Two families live here, because they run in two different places:
 
 * `allreduce_tree` runs *inside* a traced (jitted) step. It packs the gradient pytree into
-  one contiguous buffer per wire dtype and issues one mpi4jax allreduce per buffer, instead
+  one contiguous buffer per wire dtype and issues one MPI allreduce per buffer, instead
   of one MPI call per leaf (161 calls for ResNet-50). Packing and unpacking are ordinary XLA
   ops that fuse with the surrounding step. On a size-1 communicator no collective is traced
   at all, so single-process runs pay nothing.
@@ -23,13 +23,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import mpi4jax
 import numpy as np
 from mpi4py import MPI
 
+from mnjax import mpi_ops
 from mnjax.topology import Communicator, check_communicator
 
-__all__ = ["allreduce_tree", "broadcast", "check_float_leaves", "wire_dtype_of"]
+__all__ = [
+    "allreduce_tree", "broadcast", "check_float_leaves", "pack", "unpack", "wire_dtype_of"
+]
 
 
 def wire_dtype_of(dtype: Any) -> np.dtype:
@@ -73,11 +75,39 @@ def _groups(leaves: list[Any]) -> list[_Group]:
   return [_Group(d, tuple(p)) for d, p in by_dtype.items()]
 
 
+def pack(leaves: list[Any], dtype: Any) -> jax.Array:
+  """Leaves raveled and cast to `dtype`, laid end to end in one 1-D buffer (traceable).
+
+  Written as a chain of `dynamic_update_slice` into a zero buffer rather than
+  `jnp.concatenate`: XLA:CPU emits a many-operand concatenate as one fused loop that selects
+  the source operand per element; for the digits CNN's 151k gradients that took 580 us vs
+  200 us here (measured with 1 thread).
+  """
+  total = sum(leaf.size for leaf in leaves)
+  buf = jnp.zeros((total,), dtype)
+  offset = 0
+  for leaf in leaves:
+    buf = jax.lax.dynamic_update_slice(buf, jnp.ravel(leaf).astype(dtype), (offset,))
+    offset += leaf.size
+  return buf
+
+
+def unpack(buf: jax.Array, like: list[Any]) -> list[jax.Array]:
+  """Inverse of `pack`: slices of `buf` with the shapes and dtypes of the leaves in `like`."""
+  out, offset = [], 0
+  for leaf in like:
+    out.append(buf[offset:offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+    offset += leaf.size
+  return out
+
+
 def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True) -> Any:
   """Sums (or averages) every leaf of `tree` over all ranks; call inside a jitted step.
 
-  One mpi4jax allreduce per wire dtype: leaves are raveled, concatenated, reduced and split
-  back to their shapes and dtypes.
+  One MPI allreduce per wire dtype: leaves are packed into one buffer, reduced, and
+  unpacked to their shapes and dtypes. The reductions use `mnjax.mpi_ops` (no JAX effect,
+  so the step keeps JAX's fast asynchronous dispatch) on ``comm.device_comm``; several
+  buffers are chained through data dependencies so every rank issues them in one order.
 
   Args:
     tree: pytree of float/complex arrays, the same structure on every rank.
@@ -98,17 +128,18 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True) -> Any:
     return tree
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   out: list[Any] = [None] * len(leaves)
+  previous = None
   for group in _groups(leaves):
-    parts = [jnp.ravel(leaves[i]).astype(group.wire_dtype) for i in group.positions]
-    fused = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    fused = mpi4jax.allreduce(fused, op=MPI.SUM, comm=comm.mpi_comm)
+    members = [leaves[i] for i in group.positions]
+    fused = pack(members, group.wire_dtype)
+    if previous is not None:  # issue order = program order, on every rank
+      fused, _ = jax.lax.optimization_barrier((fused, previous))
+    fused = mpi_ops.allreduce_sum(fused, comm.device_comm)
+    previous = fused
     if mean:
       fused = fused / jnp.asarray(comm.size, group.wire_dtype)
-    offset = 0
-    for i in group.positions:
-      leaf = leaves[i]
-      out[i] = fused[offset:offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype)
-      offset += leaf.size
+    for i, leaf in zip(group.positions, unpack(fused, members)):
+      out[i] = leaf
   return jax.tree_util.tree_unflatten(treedef, out)
 
 

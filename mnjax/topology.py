@@ -1,8 +1,9 @@
 """Who am I: MPI rank and size, node-local ranks, local devices — the `Communicator`.
 
 A `Communicator` is a small frozen record that every other layer reads. It owns a private
-clone of the MPI communicator it was built from, so mnjax's traffic never mixes with the
-user's own mpi4py messages (mpi4jax's convention). Nothing here traces JAX code.
+clone of the MPI communicator it was built from (two, in fact: one for host-level and one
+for in-step collectives), so mnjax's traffic never mixes with the user's own mpi4py
+messages (mpi4jax's convention). Nothing here traces JAX code.
 
 Building one is collective: every rank of `mpi_comm` must call `create_communicator` with
 the same arguments, in the same order relative to other collective calls.
@@ -44,7 +45,11 @@ class Communicator:
     inter_size: number of nodes.
     local_device_count: JAX devices this process drives (1 for ``flat``).
     axis_name: the mapped-axis name user code may reduce over (e.g. BatchNorm).
-    mpi_comm: mnjax's private clone of the MPI communicator (not part of equality).
+    mpi_comm: mnjax's clone of the MPI communicator for host-level collectives
+      (`broadcast`, `allreduce_metrics`); not part of equality.
+    device_comm: a second clone, used only by collectives inside jitted steps. Steps run
+      asynchronously, so a host collective may be issued while a step's allreduce is in
+      flight; on separate communicators the two can never be matched with each other.
   """
 
   kind: str
@@ -58,6 +63,7 @@ class Communicator:
   axis_name: str
   handle: int  # MPI handle of the clone: two clones are different communicators
   mpi_comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
+  device_comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
 
   @property
   def num_replicas(self) -> int:
@@ -154,4 +160,5 @@ def create_communicator(
       axis_name=axis_name,
       handle=int(clone.py2f()),
       mpi_comm=clone,
+      device_comm=clone.Clone(),
   )

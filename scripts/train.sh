@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: data-parallel training of the small CNN on the UCI digits with `mpirun -n 2`.
+# The main job: data-parallel training of the small CNN on the UCI digits with `mpirun -n 2`
+# (ranks bound to cores, as on a cluster: see mnjax/bench/step.py for why it matters).
 #   scripts/train.sh                        # 2 ranks, defaults (see experiments/train.py --help)
 #   MNJAX_RANKS=4 scripts/train.sh --epochs 5 --workdir runs/digits-4
 set -euo pipefail
@@ -8,4 +9,4 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MNJAX_VENV:-$repo/.venv}"
 export PATH="$venv/bin:$PATH"
 cd "$repo"
-exec mpirun -n "${MNJAX_RANKS:-2}" "$venv/bin/python" experiments/train.py "$@"
+exec mpirun --bind-to core -n "${MNJAX_RANKS:-2}" "$venv/bin/python" experiments/train.py "$@"

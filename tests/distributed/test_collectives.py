@@ -21,7 +21,7 @@ def tree_for_rank(rank):
 
 def count_allreduces(fn, *args):
   jaxpr = jax.make_jaxpr(fn)(*args)
-  return str(jaxpr).count("allreduce_mpi")
+  return str(jaxpr).count("mnjax_allreduce_sum")
 
 
 def test_allreduce_tree_mean_and_sum(comm):
@@ -44,6 +44,34 @@ def test_one_collective_per_wire_dtype_not_per_leaf(comm):
   tree["half"] = jnp.ones((5,), jnp.bfloat16)  # travels in the float32 buffer too
   calls = count_allreduces(lambda t: collectives.allreduce_tree(t, comm), tree)
   assert calls == (0 if comm.size == 1 else 1)
+
+
+def test_several_wire_dtypes_are_reduced_in_one_order_on_every_rank(comm):
+  tree = {
+      "a": jnp.full((3,), comm.rank + 1.0, jnp.float32),
+      "z": jnp.full((2,), (comm.rank + 1) * (1 + 1j), jnp.complex64),
+      "b": jnp.full((4,), 2.0 * (comm.rank + 1), jnp.float32),
+  }
+  fn = lambda t: collectives.allreduce_tree(t, comm, mean=False)
+  out = jax.jit(fn)(tree)
+  total = comm.size * (comm.size + 1) / 2
+  np.testing.assert_allclose(out["a"], np.full(3, total))
+  np.testing.assert_allclose(out["b"], np.full(4, 2 * total))
+  np.testing.assert_allclose(out["z"], np.full(2, total * (1 + 1j)))
+  assert count_allreduces(fn, tree) == (0 if comm.size == 1 else 2)  # one per wire dtype
+
+
+def test_in_step_and_host_traffic_use_separate_communicators(comm):
+  assert comm.device_comm != comm.mpi_comm
+  assert comm.device_comm.size == comm.mpi_comm.size == comm.size
+  # A host collective issued while an asynchronously dispatched step still reduces
+  # gradients must not be matched with it: both complete, with the right values.
+  x = jnp.full((200_000,), comm.rank + 1.0)
+  pending = jax.jit(lambda v: collectives.allreduce_tree(v, comm, mean=False))(x)
+  host = mnjax.allreduce_metrics({"n": comm.rank + 1}, comm)
+  total = comm.size * (comm.size + 1) // 2
+  assert host["n"] == total
+  np.testing.assert_allclose(np.asarray(pending)[:3], np.full(3, float(total)))
 
 
 def test_allreduce_gradients_in_a_user_jitted_step(comm):

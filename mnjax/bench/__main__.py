@@ -1,0 +1,18 @@
+"""``python -m mnjax.bench step [--options]``; ``--help`` per benchmark."""
+
+import sys
+
+BENCHMARKS = {"step": "mnjax.bench.step"}
+
+
+def main(argv: list[str]) -> None:
+  if not argv or argv[0] not in BENCHMARKS:
+    names = ", ".join(BENCHMARKS)
+    sys.exit(f"usage: python -m mnjax.bench {{{names}}} [options]; got {argv[:1] or 'nothing'}")
+  import importlib
+
+  importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
