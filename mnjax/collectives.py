@@ -68,11 +68,12 @@ class _Group(NamedTuple):
   positions: tuple[int, ...]
 
 
-def _groups(leaves: list[Any]) -> list[_Group]:
-  by_dtype: dict[np.dtype, list[int]] = {}
-  for i, leaf in enumerate(leaves):
-    by_dtype.setdefault(wire_dtype_of(leaf.dtype), []).append(i)
-  return [_Group(d, tuple(p)) for d, p in by_dtype.items()]
+def _groups(dtypes: list[Any], key=wire_dtype_of) -> list[_Group]:
+  """Leaf positions grouped by ``key(dtype)``, in first-appearance order (same on every rank)."""
+  by_key: dict[np.dtype, list[int]] = {}
+  for i, dtype in enumerate(dtypes):
+    by_key.setdefault(np.dtype(key(dtype)), []).append(i)
+  return [_Group(d, tuple(p)) for d, p in by_key.items()]
 
 
 def pack(leaves: list[Any], dtype: Any) -> jax.Array:
@@ -129,7 +130,7 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True) -> Any:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   out: list[Any] = [None] * len(leaves)
   previous = None
-  for group in _groups(leaves):
+  for group in _groups([leaf.dtype for leaf in leaves]):
     members = [leaves[i] for i in group.positions]
     fused = pack(members, group.wire_dtype)
     if previous is not None:  # issue order = program order, on every rank
@@ -189,7 +190,8 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
     raise ValueError(_describe_mismatch(mpi, mine, root))
 
   out: list[Any] = list(arrays)
-  for group in _host_groups(arrays):
+  # Host transfers move raw bytes, so every numpy dtype travels as itself.
+  for group in _groups([a.dtype for a in arrays], key=lambda dtype: dtype):
     buf = (
         np.concatenate([arrays[i].ravel() for i in group.positions])
         if comm.rank == root
@@ -202,14 +204,6 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
       offset += arrays[i].size
   out = [jnp.asarray(o) if isinstance(leaf, jax.Array) else o for o, leaf in zip(out, leaves)]
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _host_groups(arrays: list[np.ndarray]) -> list[_Group]:
-  """Groups for host transfers: mpi4py moves any numpy dtype as raw bytes of that dtype."""
-  by_dtype: dict[np.dtype, list[int]] = {}
-  for i, a in enumerate(arrays):
-    by_dtype.setdefault(a.dtype, []).append(i)
-  return [_Group(d, tuple(p)) for d, p in by_dtype.items()]
 
 
 def _describe_mismatch(mpi: MPI.Intracomm, mine: tuple, root: int) -> str:

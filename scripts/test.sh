@@ -4,9 +4,5 @@
 #   scripts/test.sh            # everything
 #   scripts/test.sh -k scatter # pytest arguments pass through
 set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$repo/scripts/setup.sh"
-venv="${MNJAX_VENV:-$repo/.venv}"
-export PATH="$venv/bin:$PATH"
-cd "$repo"
+source "$(dirname "${BASH_SOURCE[0]}")/activate.sh"
 exec "$venv/bin/python" -m pytest "$@"

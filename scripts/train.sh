@@ -4,9 +4,5 @@
 #   scripts/train.sh                        # 2 ranks, defaults (see experiments/train.py --help)
 #   MNJAX_RANKS=4 scripts/train.sh --epochs 5 --workdir runs/digits-4
 set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$repo/scripts/setup.sh"
-venv="${MNJAX_VENV:-$repo/.venv}"
-export PATH="$venv/bin:$PATH"
-cd "$repo"
+source "$(dirname "${BASH_SOURCE[0]}")/activate.sh"
 exec mpirun --bind-to core -n "${MNJAX_RANKS:-2}" "$venv/bin/python" experiments/train.py "$@"

@@ -1,0 +1,30 @@
+"""The benchmark runs end to end and reports every figure (its numbers are not asserted:
+speed goals are judged by running `python -m mnjax.bench step`, not by timed tests)."""
+
+import json
+import subprocess
+import sys
+
+from launch import REPO
+
+
+def test_step_benchmark_smoke(tmp_path):
+  out = tmp_path / "step.json"
+  result = subprocess.run(
+      [sys.executable, "-m", "mnjax.bench", "step", "--rounds", "1", "--steps", "2",
+       "--out", str(out)],
+      cwd=REPO, capture_output=True, text=True, timeout=600,
+  )
+  assert result.returncode == 0, result.stdout + result.stderr
+  data = json.loads(out.read_text())
+  assert set(data["size1"]["seconds_per_step"]) == {"plain_optax", "mnjax_size1"}
+  assert data["multi"]["ranks"] == 2
+  assert set(data["multi"]["images_per_second"]) == {"no_communication", "allreduce", "naive_mpi4jax"}
+  assert all(v > 0 for v in data["multi"]["images_per_second"].values())
+  assert "efficiency" in result.stdout
+
+
+def test_unknown_benchmark_is_a_clear_error():
+  result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0 and "usage: python -m mnjax.bench {step}" in result.stderr
