@@ -35,7 +35,12 @@ __all__ = [
 
 
 def wire_dtype_of(dtype: Any) -> np.dtype:
-  """The dtype a leaf of `dtype` travels as over MPI (half precision goes as float32)."""
+  """The dtype a leaf of `dtype` travels as over MPI (half precision goes as float32).
+
+  Example:
+    >>> wire_dtype_of(jnp.bfloat16)
+    dtype('float32')
+  """
   dtype = np.dtype(dtype)
   if dtype in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
     return np.dtype(np.float32)
@@ -47,6 +52,10 @@ def check_float_leaves(tree: Any, caller: str) -> None:
 
   Gradients of integer or boolean leaves are not averaged (JAX gives them ``float0``);
   they must not enter the allreduce.
+
+  Example:
+    >>> check_float_leaves({"step": jnp.zeros((), jnp.int32)}, "my_fn")
+    TypeError: my_fn: every gradient leaf must be a floating-point ... leaf ['step'] ...
   """
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = getattr(leaf, "dtype", None)
@@ -83,6 +92,10 @@ def pack(leaves: list[Any], dtype: Any) -> jax.Array:
   `jnp.concatenate`: XLA:CPU emits a many-operand concatenate as one fused loop that selects
   the source operand per element; for the digits CNN's 151k gradients that took 580 us vs
   200 us here (measured with 1 thread).
+
+  Example:
+    >>> pack([jnp.ones((2, 2)), jnp.zeros(3, jnp.bfloat16)], jnp.float32).shape
+    (7,)
   """
   total = sum(leaf.size for leaf in leaves)
   buf = jnp.zeros((total,), dtype)
@@ -94,7 +107,13 @@ def pack(leaves: list[Any], dtype: Any) -> jax.Array:
 
 
 def unpack(buf: jax.Array, like: list[Any]) -> list[jax.Array]:
-  """Inverse of `pack`: slices of `buf` with the shapes and dtypes of the leaves in `like`."""
+  """Inverse of `pack`: slices of `buf` with the shapes and dtypes of the leaves in `like`.
+
+  Example:
+    >>> leaves = [jnp.ones((2, 2)), jnp.zeros(3)]
+    >>> [x.shape for x in unpack(pack(leaves, jnp.float32), leaves)]
+    [(2, 2), (3,)]
+  """
   out, offset = [], 0
   for leaf in like:
     out.append(buf[offset:offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype))

@@ -88,7 +88,12 @@ def scatter_index(
 
 
 class SubDataset(Sequence):
-  """A read-only view of ``dataset[indices[i]]`` for datasets without fancy indexing."""
+  """A read-only view of ``dataset[indices[i]]`` for datasets without fancy indexing.
+
+  Example:
+    >>> SubDataset(["a", "b", "c"], np.array([2, 0]))[0]
+    'c'
+  """
 
   def __init__(self, dataset: Any, indices: np.ndarray):
     self._dataset = dataset

@@ -50,6 +50,10 @@ class Communicator:
     device_comm: a second clone, used only by collectives inside jitted steps. Steps run
       asynchronously, so a host collective may be issued while a step's allreduce is in
       flight; on separate communicators the two can never be matched with each other.
+
+  Example:
+    >>> comm = mnjax.create_communicator("flat")
+    >>> per_rank = global_batch // comm.size; is_logger = comm.is_root
   """
 
   kind: str
@@ -77,7 +81,12 @@ class Communicator:
 
 
 def check_communicator(comm: Any, caller: str) -> Communicator:
-  """Raises a `TypeError` saying how to build one unless `comm` is a `Communicator`."""
+  """Raises a `TypeError` saying how to build one unless `comm` is a `Communicator`.
+
+  Example:
+    >>> check_communicator(None, "allreduce_gradients")
+    TypeError: allreduce_gradients needs an mnjax Communicator as its first argument, ...
+  """
   if not isinstance(comm, Communicator):
     raise TypeError(
         f"{caller} needs an mnjax Communicator as its first argument, got"
