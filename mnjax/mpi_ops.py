@@ -38,14 +38,7 @@ from mpi4jax._src.jax_compat import abstract_token
 from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
 from mpi4py import MPI
 
-__all__ = ["allreduce_sum", "MPI_DTYPES"]
-
-#: numpy dtypes MPI can reduce (mpi4jax's table); others must be cast first.
-MPI_DTYPES = tuple(
-    np.dtype(d)
-    for d in ("float32", "float64", "complex64", "complex128", "int8", "int16", "int32",
-              "int64", "uint8", "uint16", "uint32", "uint64", "bool")
-)
+__all__ = ["allreduce_sum"]
 
 _allreduce_p = Primitive("mnjax_allreduce_sum")
 
