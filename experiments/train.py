@@ -4,10 +4,12 @@ Run (the README's first command does the set-up, then this):
 
     mpirun -n 2 python experiments/train.py                 # ~20 s on 2 CPU cores
     python experiments/train.py                             # one process, same script
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+      mpirun -n 2 python experiments/train.py --comm hierarchical   # 2 processes x 2 devices
     srun -n 8 python experiments/train.py --workdir runs/d8 # on a Slurm cluster
 
 Rank 0 shows a progress bar, prints per-epoch loss, accuracy and images/s, and writes
-``config.json`` and ``metrics.jsonl`` to ``--workdir``. Expected: >= 97% test accuracy after
+``config.json``, ``metrics.jsonl`` and the final ``params.npz`` to ``--workdir``. Expected: >= 97% test accuracy after
 the default 20 epochs, at any number of ranks that divides the global batch.
 """
 
@@ -22,7 +24,7 @@ import optax
 from tqdm import tqdm
 
 import mnjax
-from mnjax.classifier import create_train_state, evaluate, train_step
+from mnjax.classifier import create_train_state, evaluate, make_train_step
 from mnjax.models import SmallCNN
 
 
@@ -68,9 +70,10 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
   mnjax.workdir.write_config(config.workdir, config, comm)
   log = mnjax.workdir.MetricsLog(config.workdir, comm)
   if comm.is_root:
-    print(f"mnjax: {comm.size} rank(s), kind {comm.kind}, global batch"
-          f" {config.global_batch_size}, {len(train)} train / {len(test)} test examples")
+    print(f"mnjax: {comm.size} rank(s) x {comm.local_device_count} device(s), kind"
+          f" {comm.kind}, global batch {config.global_batch_size}, {len(train)} train / {len(test)} test examples")
 
+  train_step = make_train_step(comm)
   record: dict = {}
   for epoch in range(1, config.epochs + 1):
     batches = list(mnjax.epoch_batches(
@@ -104,12 +107,13 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
             f" acc {record['train_accuracy']:.4f}  test loss {record['test_loss']:.4f}"
             f" acc {record['test_accuracy']:.4f}  {record['images_per_second']:,.0f} img/s"
             + ("  (includes compilation)" if epoch == 1 else ""), flush=True)
+  mnjax.workdir.save_params(config.workdir, state.params, comm)
   return record
 
 
 def main(argv: list[str] | None = None) -> None:
   config = parse_args(argv)
-  comm = mnjax.create_communicator(config.comm)
+  comm = mnjax.create_communicator(config.comm)  # kinds: mnjax.KINDS
   record = train_and_evaluate(config, comm)
   if comm.is_root:
     print(f"final test accuracy {record['test_accuracy']:.4f}"

@@ -15,6 +15,7 @@ from mnjax import collectives, data, datasets, metrics, topology, workdir
 from mnjax.collectives import broadcast
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
 from mnjax.metrics import allreduce_metrics, global_mean
+from mnjax.parallel import data_parallel
 from mnjax.topology import KINDS, Communicator, create_communicator
 from mnjax.transforms import allreduce_gradients
 
@@ -28,6 +29,7 @@ __all__ = [
     "broadcast",
     "collectives",
     "create_communicator",
+    "data_parallel",
     "data",
     "datasets",
     "epoch_batches",

@@ -9,6 +9,8 @@ additive sums (loss sum, number correct, number of examples) so that
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,9 +20,10 @@ from flax.training.train_state import TrainState
 
 from mnjax.data import epoch_batches
 from mnjax.metrics import allreduce_metrics, global_mean
+from mnjax.parallel import data_parallel
 from mnjax.topology import Communicator
 
-__all__ = ["create_train_state", "train_step", "eval_step", "evaluate"]
+__all__ = ["create_train_state", "train_step", "make_train_step", "eval_step", "evaluate"]
 
 
 def create_train_state(
@@ -47,18 +50,38 @@ def _loss_and_metrics(params, apply_fn, images, labels, weights):
   return jnp.sum(per_example * weights) / jnp.sum(weights), metrics
 
 
-@jax.jit
-def train_step(state: TrainState, images: jax.Array, labels: jax.Array):
-  """One optimizer step on the mean loss of this rank's batch; returns ``(state, metrics)``.
-
-  Example:
-    >>> state, metrics = train_step(state, images, labels)
-  """
+def _train_step(state: TrainState, images, labels, axis_name: str | None = None):
   weights = jnp.ones(labels.shape, jnp.float32)
   grads, metrics = jax.grad(_loss_and_metrics, has_aux=True)(
       state.params, state.apply_fn, images, labels, weights
   )
+  if axis_name is not None:  # several local devices: metrics of the whole process batch
+    metrics = jax.lax.psum(metrics, axis_name)
   return state.apply_gradients(grads=grads), metrics
+
+
+train_step = jax.jit(_train_step, static_argnames="axis_name")
+train_step.__doc__ = """One optimizer step on the mean loss of this rank's batch -> ``(state, metrics)``.
+
+For one device per process (``flat``). For any communicator kind use `make_train_step`.
+
+Example:
+  >>> state, metrics = train_step(state, images, labels)
+"""
+
+
+def make_train_step(comm: Communicator):
+  """`train_step` for `comm`'s kind: jitted (``flat``) or mapped over the local devices.
+
+  Example:
+    >>> step = make_train_step(comm)
+    >>> state, metrics = step(state, images, labels)   # this process's batch
+  """
+  if not comm.multi_device:
+    return train_step
+  return data_parallel(
+      functools.partial(_train_step, axis_name=comm.axis_name), comm, batch_argnums=(1, 2)
+  )
 
 
 @jax.jit

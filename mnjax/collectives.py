@@ -124,15 +124,16 @@ def unpack(buf: jax.Array, like: list[Any]) -> list[jax.Array]:
 def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True) -> Any:
   """Sums (or averages) every leaf of `tree` over all ranks; call inside a jitted step.
 
-  One MPI allreduce per wire dtype: leaves are packed into one buffer, reduced, and
-  unpacked to their shapes and dtypes. The reductions use `mnjax.mpi_ops` (no JAX effect,
-  so the step keeps JAX's fast asynchronous dispatch) on ``comm.device_comm``; several
-  buffers are chained through data dependencies so every rank issues them in one order.
+  One reduction per wire dtype: leaves are packed into one buffer, reduced, and unpacked to
+  their shapes and dtypes. MPI traffic uses `mnjax.mpi_ops` (no JAX effect, so the step
+  keeps JAX's fast asynchronous dispatch) on the in-step communicators; several buffers
+  are chained through data dependencies so every rank issues them in one order. For the
+  multi-device kinds call it inside `mnjax.data_parallel` (the local axis must be bound).
 
   Args:
     tree: pytree of float/complex arrays, the same structure on every rank.
     comm: the `Communicator`.
-    mean: divide the sum by ``comm.size``.
+    mean: divide the sum by the number of replicas (processes x local devices).
 
   Returns:
     A pytree like `tree` holding the global sum or mean.
@@ -144,7 +145,7 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True) -> Any:
   """
   check_communicator(comm, "allreduce_tree")
   check_float_leaves(tree, "allreduce_tree")
-  if comm.size == 1:
+  if comm.num_replicas == 1:
     return tree
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   out: list[Any] = [None] * len(leaves)
@@ -154,13 +155,61 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True) -> Any:
     fused = pack(members, group.wire_dtype)
     if previous is not None:  # issue order = program order, on every rank
       fused, _ = jax.lax.optimization_barrier((fused, previous))
-    fused = mpi_ops.allreduce_sum(fused, comm.device_comm)
+    fused = _REDUCERS[comm.kind](fused, comm)
     previous = fused
     if mean:
-      fused = fused / jnp.asarray(comm.size, group.wire_dtype)
+      fused = fused / jnp.asarray(comm.num_replicas, group.wire_dtype)
     for i, leaf in zip(group.positions, unpack(fused, members)):
       out[i] = leaf
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# Sum of a fused 1-D buffer over every replica, per communicator kind. The multi-device
+# kinds run inside `mnjax.data_parallel`'s shard_map, where ``comm.axis_name`` names the
+# local devices. MPI programs are picked per device with lax.cond/lax.switch on the axis
+# index: the communicator is a compile-time attribute of the custom call, the same on every
+# device of the SPMD program. Measured choice: docs/design/multi_device.md.
+
+
+def _flat(buf, comm):
+  return mpi_ops.allreduce_sum(buf, comm.device_comm)
+
+
+def _single_node(buf, comm):
+  return jax.lax.psum(buf, comm.axis_name)
+
+
+def _hierarchical(buf, comm):
+  """psum over local devices; device 0 allreduces across processes; psum hands it out."""
+  local = jax.lax.psum(buf, comm.axis_name)
+  if comm.size == 1:
+    return local
+  first = jax.lax.axis_index(comm.axis_name) == 0
+  reduced = jax.lax.cond(
+      first, lambda b: mpi_ops.allreduce_sum(b, comm.device_comms[0]), jnp.zeros_like, local
+  )
+  return jax.lax.psum(reduced, comm.axis_name)
+
+
+def _two_dimensional(buf, comm):
+  """Reduce-scatter over local devices; local device i allreduces shard i across processes
+  on its own communicator; all-gather over local devices."""
+  n = comm.local_device_count
+  pad = (-buf.size) % n
+  padded = jnp.pad(buf, (0, pad))
+  shard = jax.lax.psum_scatter(padded, comm.axis_name, tiled=True)
+  if comm.size > 1:
+    branches = [lambda s, c=c: mpi_ops.allreduce_sum(s, c) for c in comm.device_comms]
+    shard = jax.lax.switch(jax.lax.axis_index(comm.axis_name), branches, shard)
+  return jax.lax.all_gather(shard, comm.axis_name, tiled=True)[: buf.size]
+
+
+_REDUCERS = {
+    "flat": _flat,
+    "single_node": _single_node,
+    "hierarchical": _hierarchical,
+    "two_dimensional": _two_dimensional,
+}
 
 
 def _signature(tree: Any, arrays: list[np.ndarray]) -> tuple:

@@ -39,6 +39,13 @@ def _check_n(n: Any, comm: Communicator, caller: str) -> int:
   return int(n)
 
 
+def _permutation(n: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+  """The epoch's example order, identical on every rank: a function of (seed, epoch) only."""
+  if not shuffle:
+    return np.arange(n)
+  return np.random.default_rng([int(seed), int(epoch)]).permutation(n)
+
+
 def scatter_index(
     n: int,
     comm: Communicator,
@@ -74,10 +81,7 @@ def scatter_index(
   """
   check_communicator(comm, "scatter_index")
   n = _check_n(n, comm, "scatter_index")
-  if shuffle:
-    order = np.random.default_rng([int(seed), int(epoch)]).permutation(n)
-  else:
-    order = np.arange(n)
+  order = _permutation(n, shuffle, seed, epoch)
   begin = n * comm.rank // comm.size
   end = n * (comm.rank + 1) // comm.size
   length = -(-n // comm.size) if force_equal_length else end - begin
@@ -182,34 +186,34 @@ def epoch_batches(
     epoch: int = 0,
     drop_remainder: bool = True,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-  """Yields this rank's ``(indices, mask)`` per step; the same number of steps on every rank.
+  """Yields this process's ``(indices, mask)`` per step; the same step count on every rank.
 
-  Training (``drop_remainder=True``): full batches only, mask all True. Evaluation
-  (``drop_remainder=False``): the last batch is padded to full size with index 0 and mask
-  False, and padding duplicates of the equal-length shard are masked too, so a masked sum
-  over all batches of all ranks counts every example exactly once — with one static batch
-  shape (no recompilation).
+  Each *global* batch is a consecutive chunk of the epoch's permutation (drawn from
+  ``(seed, epoch)`` as in `scatter_index`), and process ``r`` takes the ``r``-th slice of
+  it (its local devices then split that slice in order). So the examples of every step,
+  and the replica that sees each one, do not depend on how the replicas are grouped into
+  processes and devices: 4 processes x 1 device and 2 x 2 train identically, and both
+  equal one process on the global batch.
+
+  Training (``drop_remainder=True``): full global batches only. Evaluation
+  (``drop_remainder=False``): the last global batch is padded (index 0, mask False), so a
+  masked sum over all steps of all ranks counts every example exactly once, with one static
+  batch shape (no recompilation).
 
   Example:
     >>> for idx, mask in mnjax.epoch_batches(len(x), comm, 128, shuffle=True, epoch=e):
-    ...   state = train_step(state, x[idx], y[idx])
+    ...   state, metrics = step(state, x[idx], y[idx])
   """
   per_rank = local_batch_size(global_batch_size, comm)
-  indices, mask = scatter_index(
-      n, comm, shuffle=shuffle, seed=seed, epoch=epoch, return_mask=True
-  )
-  steps = len(indices) // per_rank if drop_remainder else -(-len(indices) // per_rank)
+  n = _check_n(n, comm, "epoch_batches")
+  order = _permutation(n, shuffle, seed, epoch)
+  steps = n // global_batch_size if drop_remainder else -(-n // global_batch_size)
   if steps == 0:
     raise ValueError(
-        f"epoch_batches: {n} examples over {comm.size} ranks give {len(indices)} per rank,"
-        f" fewer than one batch of {per_rank} (global batch {global_batch_size}); use a"
-        " smaller global batch size or pass drop_remainder=False."
+        f"epoch_batches: {n} examples make no full global batch of {global_batch_size};"
+        " use a smaller global batch size or pass drop_remainder=False."
     )
   for s in range(steps):
-    idx = indices[s * per_rank:(s + 1) * per_rank]
-    m = mask[s * per_rank:(s + 1) * per_rank]
-    if len(idx) < per_rank:
-      pad = per_rank - len(idx)
-      idx = np.concatenate([idx, np.zeros(pad, idx.dtype)])
-      m = np.concatenate([m, np.zeros(pad, bool)])
-    yield idx, m
+    positions = s * global_batch_size + comm.rank * per_rank + np.arange(per_rank)
+    mask = positions < n
+    yield np.where(mask, order[np.minimum(positions, n - 1)], 0), mask

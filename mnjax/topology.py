@@ -28,7 +28,10 @@ KINDS: dict[str, str] = {
 }
 
 #: Kinds implemented in this release. The others are designed (see KINDS) but not built yet.
-IMPLEMENTED_KINDS = ("flat",)
+IMPLEMENTED_KINDS = ("flat", "hierarchical", "two_dimensional", "single_node")
+
+#: Kinds that drive several local devices from one process (through `mnjax.data_parallel`).
+MULTI_DEVICE_KINDS = ("hierarchical", "two_dimensional", "single_node")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,10 @@ class Communicator:
     device_comm: a second clone, used only by collectives inside jitted steps. Steps run
       asynchronously, so a host collective may be issued while a step's allreduce is in
       flight; on separate communicators the two can never be matched with each other.
+    device_comms: for the multi-device kinds, one more clone per local device index:
+      local device ``i`` of every process exchanges its shard on ``device_comms[i]``
+      (``two_dimensional``); ``hierarchical`` uses ``device_comms[0]``.
+    devices: the local JAX devices this process drives.
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
@@ -68,11 +75,26 @@ class Communicator:
   handle: int  # MPI handle of the clone: two clones are different communicators
   mpi_comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
   device_comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
+  device_comms: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
+  devices: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
 
   @property
   def num_replicas(self) -> int:
     """Model replicas in the job: processes x local devices."""
     return self.size * self.local_device_count
+
+  @property
+  def multi_device(self) -> bool:
+    """True for kinds whose steps run over local devices (`mnjax.data_parallel`)."""
+    return self.kind in MULTI_DEVICE_KINDS
+
+  @property
+  def mesh(self):
+    """A `jax.sharding.Mesh` over this process's devices, with axis ``axis_name``."""
+    import jax  # noqa: PLC0415 (topology itself never needs JAX)
+    import numpy as np  # noqa: PLC0415
+
+    return jax.sharding.Mesh(np.array(self.devices, dtype=object), (self.axis_name,))
 
   @property
   def is_root(self) -> bool:
@@ -113,20 +135,59 @@ def _check_kind(kind: Any) -> str:
   return kind
 
 
+def _local_devices(kind: str, requested: int | None, mpi_comm: MPI.Intracomm) -> tuple:
+  """The devices this process drives; every check here is local and identical on all ranks
+  of a homogeneous job, so a bad request raises everywhere before any collective."""
+  import jax  # noqa: PLC0415
+
+  available = jax.local_devices()
+  if kind not in MULTI_DEVICE_KINDS:
+    if requested not in (None, 1):
+      raise ValueError(
+          f"create_communicator: kind {kind!r} drives one device per process, got"
+          f" local_devices={requested}; use kind 'hierarchical' or 'two_dimensional' to"
+          " drive several local devices from one process."
+      )
+    return (available[0],)
+  if kind == "single_node" and mpi_comm.size > 1:
+    raise ValueError(
+        f"create_communicator: kind 'single_node' reduces over the devices of one process"
+        f" only, but this job has {mpi_comm.size} processes. Run it without mpirun, or"
+        " use kind 'hierarchical' to add MPI between processes."
+    )
+  n = len(available) if requested is None else requested
+  if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    raise ValueError(f"create_communicator: local_devices must be a positive int, got {requested!r}.")
+  if n > len(available):
+    raise ValueError(
+        f"create_communicator: {n} local devices requested, but this process has"
+        f" {len(available)} ({available[0].platform}). Request at most {len(available)};"
+        " on CPU, emulate more with"
+        f" XLA_FLAGS=--xla_force_host_platform_device_count={n} set before JAX starts."
+    )
+  return tuple(available[:n])
+
+
 def create_communicator(
     kind: str = "flat",
     mpi_comm: MPI.Intracomm | None = None,
     *,
     axis_name: str = "batch",
+    local_devices: int | None = None,
 ) -> Communicator:
   """Builds the communicator for data-parallel training (collective: call on every rank).
 
   Args:
     kind: how gradients are reduced; one of `KINDS`. ``flat``: one MPI process per device.
+      ``hierarchical``, ``two_dimensional``, ``single_node``: one process drives its local
+      devices; run the step with `mnjax.data_parallel`.
     mpi_comm: the MPI communicator whose processes train together (default:
       ``MPI.COMM_WORLD``); mnjax uses a private clone of it. ``MPI.COMM_SELF`` gives a
       size-1 communicator.
-    axis_name: name of the mapped device axis, for user code that reduces over it.
+    axis_name: name of the mapped local-device axis, for user code that reduces over it
+      (e.g. flax ``BatchNorm(axis_name=comm.axis_name)``).
+    local_devices: for the multi-device kinds, how many local devices to drive (default:
+      all of ``jax.local_devices()``).
 
   Returns:
     A frozen, hashable `Communicator`.
@@ -148,6 +209,7 @@ def create_communicator(
   if not isinstance(axis_name, str) or not axis_name:
     raise ValueError(f"create_communicator: axis_name must be a non-empty str, got {axis_name!r}.")
 
+  devices = _local_devices(kind, local_devices, mpi_comm)
   clone = mpi_comm.Clone()
   node = clone.Split_type(MPI.COMM_TYPE_SHARED, key=clone.rank)
   intra_rank, intra_size = node.rank, node.size
@@ -165,9 +227,11 @@ def create_communicator(
       intra_size=intra_size,
       inter_rank=inter_rank,
       inter_size=inter_size,
-      local_device_count=1,
+      local_device_count=len(devices),
       axis_name=axis_name,
       handle=int(clone.py2f()),
       mpi_comm=clone,
       device_comm=clone.Clone(),
+      device_comms=tuple(clone.Clone() for _ in devices) if kind in MULTI_DEVICE_KINDS else (),
+      devices=devices,
   )

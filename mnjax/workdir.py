@@ -10,7 +10,7 @@ from typing import Any
 
 from mnjax.topology import Communicator
 
-__all__ = ["write_config", "MetricsLog"]
+__all__ = ["write_config", "MetricsLog", "save_params"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -64,3 +64,26 @@ class MetricsLog:
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
       f.flush()
+
+
+def save_params(workdir: str, params: Any, comm: Communicator, name: str = "params.npz") -> str:
+  """Writes a parameter pytree as ``<workdir>/params.npz`` (rank 0), keys ``a/b/c``.
+
+  Example:
+    >>> save_params("runs/digits", state.params, comm)
+    'runs/digits/params.npz'
+  """
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  path = os.path.join(workdir, name)
+  if comm.is_root:
+    os.makedirs(workdir, exist_ok=True)
+    flat = {
+        "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys): np.asarray(v)
+        for keys, v in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    with open(path + ".tmp", "wb") as f:
+      np.savez(f, **flat)
+    os.replace(path + ".tmp", path)
+  return path

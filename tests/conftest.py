@@ -6,7 +6,10 @@
 
 import os
 
-# Before jax is imported: one CPU device per process, quiet logs.
+# Before jax is imported: two CPU devices per process (so the multi-device kinds run as
+# 1 x 2 here and as 2 x 2 and 3 x 2 under tests/test_mpirun.py, which inherits this), quiet
+# logs. `flat` uses the first device only.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402

@@ -44,3 +44,25 @@ def test_bad_global_batch_fails_on_every_rank_without_hanging(tmp_path):
   )
   assert result.returncode != 0
   assert result.stdout.count("not divisible by the 3 replicas") == 3, result.stdout[-5000:]
+
+
+def test_flat_4_processes_and_hierarchical_2x2_train_the_same_parameters(tmp_path):
+  """The same global batches, split 4 x 1 or 2 x 2, give the same parameters (to 1e-5)."""
+  import numpy as np
+
+  runs = {"flat": 4, "hierarchical": 2}
+  for kind, ranks in runs.items():
+    result = run_mpi(
+        ranks,
+        ["experiments/train.py", "--comm", kind, "--epochs", "2", "--no-progress",
+         "--workdir", str(tmp_path / kind)],
+        timeout=600, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
+    assert result.returncode == 0, result.stdout[-5000:]
+  flat = np.load(tmp_path / "flat" / "params.npz")
+  hier = np.load(tmp_path / "hierarchical" / "params.npz")
+  assert sorted(flat) == sorted(hier) and len(flat) == 8
+  for key in flat:
+    assert np.linalg.norm(flat[key] - hier[key]) <= 1e-5 * np.linalg.norm(flat[key]), key
+  configs = [read_run(tmp_path / kind)[1]["topology"] for kind in runs]
+  assert [(c["size"], c["local_device_count"]) for c in configs] == [(4, 1), (2, 2)]

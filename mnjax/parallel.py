@@ -1,0 +1,75 @@
+"""Run a per-device step over this process's local devices (the multi-device kinds).
+
+With ``flat`` a process drives one device and the user's step is simply jitted. With
+``hierarchical``, ``two_dimensional`` and ``single_node`` one process drives all its local
+devices: `data_parallel` maps the step over them with `jax.shard_map` (axis
+``comm.axis_name``), splitting the batch arguments along their leading axis and replicating
+everything else (parameters, optimizer state). Inside, `allreduce_gradients` sums over the
+local axis and across processes; user code may reduce over the same axis (flax
+``BatchNorm(axis_name=comm.axis_name)``, ``jax.lax.psum(metrics, comm.axis_name)``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from mnjax.topology import Communicator, check_communicator
+
+__all__ = ["data_parallel"]
+
+
+def data_parallel(
+    fn: Callable[..., Any], comm: Communicator, *, batch_argnums: Sequence[int] = (1,)
+) -> Callable[..., Any]:
+  """A jitted version of the per-device step `fn` that runs on every local device.
+
+  Every output of `fn` must be the same on all local devices (parameters updated with
+  all-reduced gradients are; reduce per-device metrics with
+  ``jax.lax.psum(x, comm.axis_name)`` before returning them).
+
+  Args:
+    fn: ``fn(*args)``, written for one device and one device's share of the batch.
+    comm: the `Communicator`; for ``flat`` the result is just ``jax.jit(fn)``.
+    batch_argnums: positions of the arguments whose leaves are split along axis 0 across
+      the local devices (this process's batch); the others are replicated.
+
+  Returns:
+    ``step(*args)``; batch arguments hold this process's examples and must split evenly
+    over ``comm.local_device_count`` devices (a `ValueError` says so before anything runs).
+
+  Example:
+    >>> comm = mnjax.create_communicator("hierarchical")   # 2 processes x 2 devices
+    >>> step = mnjax.data_parallel(train_step_fn, comm, batch_argnums=(1, 2))
+    >>> state, metrics = step(state, images, labels)        # images: this process's batch
+  """
+  check_communicator(comm, "data_parallel")
+  batch_argnums = tuple(batch_argnums)
+  if not comm.multi_device:
+    return jax.jit(fn)
+  n = comm.local_device_count
+
+  @functools.lru_cache(maxsize=None)
+  def compiled(nargs: int):
+    in_specs = tuple(P(comm.axis_name) if i in batch_argnums else P() for i in range(nargs))
+    mapped = jax.shard_map(fn, mesh=comm.mesh, in_specs=in_specs, out_specs=P(),
+                           check_vma=False)
+    return jax.jit(mapped)
+
+  def step(*args):
+    for i in batch_argnums:
+      for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+        rows = leaf.shape[0] if getattr(leaf, "ndim", 0) else None
+        if rows is None or rows % n:
+          raise ValueError(
+              f"data_parallel: argument {i} leaf {jax.tree_util.keystr(path) or '<root>'}"
+              f" has {rows} examples on this process, which do not split over its {n}"
+              f" local devices. Use a per-process batch that is a multiple of {n} (a global"
+              f" batch that is a multiple of {comm.num_replicas})."
+          )
+    return compiled(len(args))(*args)
+
+  return step
