@@ -27,4 +27,18 @@ def test_step_benchmark_smoke(tmp_path):
 def test_unknown_benchmark_is_a_clear_error():
   result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode != 0 and "usage: python -m mnjax.bench {step}" in result.stderr
+  assert result.returncode != 0 and "usage: python -m mnjax.bench {step, kinds}" in result.stderr
+
+
+def test_kinds_benchmark_smoke(tmp_path):
+  out = tmp_path / "kinds.json"
+  result = subprocess.run(
+      [sys.executable, "-m", "mnjax.bench", "kinds", "--rounds", "1", "--steps", "2",
+       "--out", str(out)],
+      cwd=REPO, capture_output=True, text=True, timeout=600,
+  )
+  assert result.returncode == 0, result.stdout + result.stderr
+  data = json.loads(out.read_text())
+  assert (data["processes"], data["devices_per_process"]) == (2, 2)
+  assert set(data["reduce_us"]) == {"local_only", "hierarchical", "two_dimensional"}
+  assert all(v > 0 for v in data["step_ms"].values())

@@ -1,8 +1,8 @@
-"""``python -m mnjax.bench step [--options]``; ``--help`` per benchmark."""
+"""``python -m mnjax.bench {step,kinds} [--options]``; ``--help`` per benchmark."""
 
 import sys
 
-BENCHMARKS = {"step": "mnjax.bench.step"}
+BENCHMARKS = {"step": "mnjax.bench.step", "kinds": "mnjax.bench.kinds"}
 
 
 def main(argv: list[str]) -> None:

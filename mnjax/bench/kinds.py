@@ -1,0 +1,134 @@
+"""Communicator kinds side by side on several devices per process (emulated nodes).
+
+    python -m mnjax.bench kinds                # 2 processes x 2 emulated devices
+    python -m mnjax.bench kinds --ranks 3 --devices 2
+
+Re-launches itself under ``mpirun --bind-to core -n RANKS`` with
+``XLA_FLAGS=--xla_force_host_platform_device_count=DEVICES``. For each multi-device kind it
+measures, in alternating rounds of one run:
+
+* the gradient reduction alone (`mnjax.collectives.allreduce_tree` on the digits CNN's
+  gradient tree, 151k float32, inside `mnjax.data_parallel`), in microseconds;
+* the digits CNN train step, as efficiency = step time with no cross-process traffic
+  (gradients averaged over the local devices only) / step time with the kind.
+
+Each round's time is the slowest rank's; medians over rounds are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KINDS = ("hierarchical", "two_dimensional")
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m mnjax.bench kinds", description=__doc__.split("\n")[0])
+  p.add_argument("--ranks", type=int, default=2)
+  p.add_argument("--devices", type=int, default=2, help="emulated devices per process")
+  p.add_argument("--batch_per_device", type=int, default=32)
+  p.add_argument("--steps", type=int, default=20, help="steps per timed round")
+  p.add_argument("--rounds", type=int, default=9)
+  p.add_argument("--out", default="runs/bench/kinds.json")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  return p.parse_args(argv)
+
+
+def _worker(args) -> dict | None:
+  import jax
+  import optax
+  from mpi4py import MPI
+
+  import mnjax
+  from mnjax.classifier import create_train_state, make_train_step
+  from mnjax.models import SmallCNN
+
+  data = mnjax.datasets.load_digits("train")
+  comms = {kind: mnjax.create_communicator(kind) for kind in KINDS}
+  # The baseline: the same mapped step, gradients averaged over local devices only.
+  some = comms[KINDS[0]]
+  local_only = dataclasses.replace(some, kind="single_node", size=1)
+  variants = {"local_only": local_only, **comms}
+  per_process = args.batch_per_device * some.local_device_count
+  images = data.images[:per_process]
+  labels = data.labels[:per_process]
+  host = some.mpi_comm
+
+  def timed(fn, arg, chain: bool):
+    """Slowest rank's seconds per call; `chain` feeds each output into the next call."""
+    host.Barrier()
+    start = time.perf_counter()
+    out = arg
+    for _ in range(args.steps):
+      out = fn(out if chain else arg)
+    jax.block_until_ready(out)
+    return host.allreduce((time.perf_counter() - start) / args.steps, op=MPI.MAX), out
+
+  reducers, steps, states = {}, {}, {}
+  grads = SmallCNN().init(jax.random.key(0), images[:1])["params"]
+  for name, kc in variants.items():
+    reducers[name] = mnjax.data_parallel(
+        lambda g, kc=kc: mnjax.collectives.allreduce_tree(g, kc), kc, batch_argnums=())
+    tx = optax.chain(mnjax.allreduce_gradients(kc), optax.adam(1e-3))
+    states[name] = create_train_state(SmallCNN(), tx, images[:1], jax.random.key(0))
+    step = make_train_step(kc)
+    steps[name] = lambda state, step=step: step(state, images, labels)[0]
+    for _ in range(3):  # compile, warm up
+      jax.block_until_ready(reducers[name](grads))
+      states[name] = jax.block_until_ready(steps[name](states[name]))
+
+  reduce_s = {name: [] for name in variants}
+  step_s = {name: [] for name in variants}
+  for _ in range(args.rounds):
+    for name in variants:
+      seconds, _ = timed(reducers[name], grads, chain=False)
+      reduce_s[name].append(seconds)
+      seconds, states[name] = timed(steps[name], states[name], chain=True)
+      step_s[name].append(seconds)
+  reduce_med = {k: statistics.median(v) for k, v in reduce_s.items()}
+  step_med = {k: statistics.median(v) for k, v in step_s.items()}
+  if host.rank != 0:
+    return None
+  return {
+      "processes": some.size,
+      "devices_per_process": some.local_device_count,
+      "batch_per_device": args.batch_per_device,
+      "reduce_us": {k: v * 1e6 for k, v in reduce_med.items()},
+      "step_ms": {k: v * 1e3 for k, v in step_med.items()},
+      "efficiency": {k: step_med["local_only"] / step_med[k] for k in KINDS},
+  }
+
+
+def main(argv):
+  args = _parse(argv)
+  if args.worker:
+    result = _worker(args)
+    if result is not None:
+      print(json.dumps(result))
+    return
+  mpirun = Path(sys.executable).with_name("mpirun")
+  cmd = [str(mpirun if mpirun.exists() else "mpirun"), "--bind-to", "core", "-n",
+         str(args.ranks), sys.executable, "-m", "mnjax.bench", "kinds", *argv, "--worker"]
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_"))}
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+  if out.returncode != 0:
+    sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  print(f"{result['processes']} processes x {result['devices_per_process']} devices,"
+        f" {result['batch_per_device']} images per device")
+  print(f"{'kind':18s} {'reduce (us)':>12s} {'step (ms)':>10s} {'efficiency':>11s}")
+  for kind in ("local_only", *KINDS):
+    eff = result["efficiency"].get(kind, 1.0)
+    print(f"{kind:18s} {result['reduce_us'][kind]:12.0f} {result['step_ms'][kind]:10.2f} {eff:11.3f}")
+  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(args.out).write_text(json.dumps(result, indent=2))
+  print(f"results in {args.out}")
