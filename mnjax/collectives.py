@@ -207,6 +207,7 @@ def _two_dimensional(buf, comm):
 _REDUCERS = {
     "flat": _flat,
     "single_node": _single_node,
+    "xla": _single_node,  # the axis spans every device of every process: XLA's own psum
     "hierarchical": _hierarchical,
     "two_dimensional": _two_dimensional,
 }

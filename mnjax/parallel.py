@@ -1,9 +1,9 @@
 """Run a per-device step over this process's local devices (the multi-device kinds).
 
 With ``flat`` a process drives one device and the user's step is simply jitted. With
-``hierarchical``, ``two_dimensional`` and ``single_node`` one process drives all its local
-devices: `data_parallel` maps the step over them with `jax.shard_map` (axis
-``comm.axis_name``), splitting the batch arguments along their leading axis and replicating
+``hierarchical``, ``two_dimensional``, ``single_node`` and ``xla`` one process drives all its
+local devices: `data_parallel` maps the step over them with `jax.shard_map` (axis
+``comm.axis_name``; for ``xla`` the mesh spans every device of every process), splitting the batch arguments along their leading axis and replicating
 everything else (parameters, optimizer state). Inside, `allreduce_gradients` sums over the
 local axis and across processes; user code may reduce over the same axis (flax
 ``BatchNorm(axis_name=comm.axis_name)``, ``jax.lax.psum(metrics, comm.axis_name)``).
@@ -15,7 +15,8 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.sharding import PartitionSpec as P
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mnjax.topology import Communicator, check_communicator
 
@@ -70,6 +71,40 @@ def data_parallel(
               f" local devices. Use a per-process batch that is a multiple of {n} (a global"
               f" batch that is a multiple of {comm.num_replicas})."
           )
+    if comm.kind == "xla":
+      return _local(compiled(len(args))(*_global(args, batch_argnums, comm)))
     return compiled(len(args))(*args)
 
   return step
+
+
+def _global(args: tuple, batch_argnums: tuple, comm: Communicator) -> list:
+  """``xla``: this process's arguments as global arrays over every device of the job.
+
+  Batch arguments hold this process's rows of the global batch (process-major, matching
+  `mnjax.epoch_batches`); the other arguments are the same on every process (replicated).
+  """
+  mesh = comm.mesh
+  split = NamedSharding(mesh, P(comm.axis_name))
+  replicated = NamedSharding(mesh, P())
+  local = NamedSharding(jax.sharding.Mesh(np.array(comm.devices), ("d",)), P())
+
+  def replicate(leaf):
+    leaf = jax.device_put(leaf, local)  # one copy per local device
+    shards = [shard.data for shard in leaf.addressable_shards]
+    return jax.make_array_from_single_device_arrays(np.shape(leaf), replicated, shards)
+
+  out = []
+  for i, arg in enumerate(args):
+    if i in batch_argnums:
+      out.append(jax.tree.map(
+          lambda x: jax.make_array_from_process_local_data(split, np.asarray(x)), arg))
+    else:
+      out.append(jax.tree.map(replicate, arg))
+  return out
+
+
+def _local(tree: Any) -> Any:
+  """``xla``: replicated global outputs back to ordinary arrays on this process's first
+  device, so that host code (metrics, evaluation, checkpoints) treats every kind alike."""
+  return jax.tree.map(lambda a: a.addressable_data(0), tree)

@@ -28,10 +28,10 @@ KINDS: dict[str, str] = {
 }
 
 #: Kinds implemented in this release. The others are designed (see KINDS) but not built yet.
-IMPLEMENTED_KINDS = ("flat", "hierarchical", "two_dimensional", "single_node")
+IMPLEMENTED_KINDS = ("flat", "hierarchical", "two_dimensional", "single_node", "xla")
 
 #: Kinds that drive several local devices from one process (through `mnjax.data_parallel`).
-MULTI_DEVICE_KINDS = ("hierarchical", "two_dimensional", "single_node")
+MULTI_DEVICE_KINDS = ("hierarchical", "two_dimensional", "single_node", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +90,13 @@ class Communicator:
 
   @property
   def mesh(self):
-    """A `jax.sharding.Mesh` over this process's devices, with axis ``axis_name``."""
+    """A `jax.sharding.Mesh` with axis ``axis_name``: this process's devices, or for
+    ``xla`` every device of every process (process-major, as `jax.devices()` orders them)."""
     import jax  # noqa: PLC0415 (topology itself never needs JAX)
     import numpy as np  # noqa: PLC0415
 
-    return jax.sharding.Mesh(np.array(self.devices, dtype=object), (self.axis_name,))
+    devices = jax.devices() if self.kind == "xla" else self.devices
+    return jax.sharding.Mesh(np.array(devices, dtype=object), (self.axis_name,))
 
   @property
   def is_root(self) -> bool:
@@ -133,6 +135,41 @@ def _check_kind(kind: Any) -> str:
         " MPI process per device with create_communicator('flat')."
     )
   return kind
+
+
+def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int) -> None:
+  """`jax.distributed` for the ``xla`` kind, or the same clear error on every rank.
+
+  It must start before JAX touches a device; the ranks first agree (over MPI) that none has,
+  so that no rank waits alone in ``jax.distributed.initialize`` for peers that raised.
+  """
+  import jax  # noqa: PLC0415
+  from jax._src import xla_bridge  # noqa: PLC0415 (no public query for this)
+
+  if jax.distributed.is_initialized():
+    return
+  late = mpi_comm.allgather(xla_bridge.backends_are_initialized())
+  if any(late):
+    raise ValueError(
+        "create_communicator('xla') must run before JAX uses any device, because it starts"
+        " jax.distributed; JAX was already initialised on ranks"
+        f" {[r for r, x in enumerate(late) if x]}. Create the communicator first thing in"
+        " the script (before creating arrays or calling jax.devices()), or call"
+        " jax.distributed.initialize() yourself before it."
+    )
+  # CPU collectives across processes need gloo; GPUs use NCCL regardless of this setting.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  try:
+    jax.distributed.initialize(
+        cluster_detection_method="mpi4py", initialization_timeout=timeout
+    )
+  except Exception as error:  # every rank gets here: the coordinator is shared
+    raise RuntimeError(
+        f"create_communicator('xla'): jax.distributed could not start ({error}). It needs"
+        " every rank of the job to reach create_communicator('xla') and rank 0's host to"
+        " be reachable from the others on a free port; use kind 'hierarchical' to keep"
+        " cross-process traffic on MPI."
+    ) from error
 
 
 def _local_devices(kind: str, requested: int | None, mpi_comm: MPI.Intracomm) -> tuple:
@@ -174,6 +211,7 @@ def create_communicator(
     *,
     axis_name: str = "batch",
     local_devices: int | None = None,
+    distributed_timeout: int = 120,
 ) -> Communicator:
   """Builds the communicator for data-parallel training (collective: call on every rank).
 
@@ -187,7 +225,8 @@ def create_communicator(
     axis_name: name of the mapped local-device axis, for user code that reduces over it
       (e.g. flax ``BatchNorm(axis_name=comm.axis_name)``).
     local_devices: for the multi-device kinds, how many local devices to drive (default:
-      all of ``jax.local_devices()``).
+      all of ``jax.local_devices()``; ``xla`` always uses all).
+    distributed_timeout: ``xla`` only: seconds `jax.distributed` waits for every process.
 
   Returns:
     A frozen, hashable `Communicator`.
@@ -209,6 +248,10 @@ def create_communicator(
   if not isinstance(axis_name, str) or not axis_name:
     raise ValueError(f"create_communicator: axis_name must be a non-empty str, got {axis_name!r}.")
 
+  if kind == "xla":
+    if local_devices is not None:
+      raise ValueError("create_communicator: kind 'xla' uses every local device; drop local_devices.")
+    _start_jax_distributed(mpi_comm, distributed_timeout)
   devices = _local_devices(kind, local_devices, mpi_comm)
   clone = mpi_comm.Clone()
   node = clone.Split_type(MPI.COMM_TYPE_SHARED, key=clone.rank)

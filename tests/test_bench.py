@@ -39,6 +39,7 @@ def test_kinds_benchmark_smoke(tmp_path):
   )
   assert result.returncode == 0, result.stdout + result.stderr
   data = json.loads(out.read_text())
-  assert (data["processes"], data["devices_per_process"]) == (2, 2)
-  assert set(data["reduce_us"]) == {"local_only", "hierarchical", "two_dimensional"}
-  assert all(v > 0 for v in data["step_ms"].values())
+  assert (data["mpi"]["processes"], data["mpi"]["devices_per_process"]) == (2, 2)
+  assert set(data["mpi"]["reduce_us"]) == {"local_only", "hierarchical", "two_dimensional"}
+  assert set(data["xla"]["reduce_us"]) == {"local_only", "xla"}
+  assert all(v > 0 for group in data.values() for v in group["step_ms"].values())

@@ -46,11 +46,12 @@ def test_bad_global_batch_fails_on_every_rank_without_hanging(tmp_path):
   assert result.stdout.count("not divisible by the 3 replicas") == 3, result.stdout[-5000:]
 
 
-def test_flat_4_processes_and_hierarchical_2x2_train_the_same_parameters(tmp_path):
-  """The same global batches, split 4 x 1 or 2 x 2, give the same parameters (to 1e-5)."""
+def test_flat_4_processes_hierarchical_and_xla_2x2_train_the_same_parameters(tmp_path):
+  """The same global batches, split 4 x 1 or 2 x 2, give the same parameters (to 1e-5);
+  `xla` runs jax.distributed with gloo collectives under mpirun."""
   import numpy as np
 
-  runs = {"flat": 4, "hierarchical": 2}
+  runs = {"flat": 4, "hierarchical": 2, "xla": 2}
   for kind, ranks in runs.items():
     result = run_mpi(
         ranks,
@@ -60,9 +61,11 @@ def test_flat_4_processes_and_hierarchical_2x2_train_the_same_parameters(tmp_pat
     )
     assert result.returncode == 0, result.stdout[-5000:]
   flat = np.load(tmp_path / "flat" / "params.npz")
-  hier = np.load(tmp_path / "hierarchical" / "params.npz")
-  assert sorted(flat) == sorted(hier) and len(flat) == 8
-  for key in flat:
-    assert np.linalg.norm(flat[key] - hier[key]) <= 1e-5 * np.linalg.norm(flat[key]), key
+  assert len(flat) == 8
+  for kind in ("hierarchical", "xla"):
+    other = np.load(tmp_path / kind / "params.npz")
+    assert sorted(other) == sorted(flat)
+    for key in flat:
+      assert np.linalg.norm(flat[key] - other[key]) <= 1e-5 * np.linalg.norm(flat[key]), (kind, key)
   configs = [read_run(tmp_path / kind)[1]["topology"] for kind in runs]
-  assert [(c["size"], c["local_device_count"]) for c in configs] == [(4, 1), (2, 2)]
+  assert [(c["size"], c["local_device_count"]) for c in configs] == [(4, 1), (2, 2), (2, 2)]

@@ -3,14 +3,17 @@
     python -m mnjax.bench kinds                # 2 processes x 2 emulated devices
     python -m mnjax.bench kinds --ranks 3 --devices 2
 
-Re-launches itself under ``mpirun --bind-to core -n RANKS`` with
-``XLA_FLAGS=--xla_force_host_platform_device_count=DEVICES``. For each multi-device kind it
-measures, in alternating rounds of one run:
+Re-launches itself twice under ``mpirun --bind-to core -n RANKS`` with
+``XLA_FLAGS=--xla_force_host_platform_device_count=DEVICES`` (once for the MPI kinds, once
+for ``xla``: see GROUPS). For each kind it measures, in alternating rounds:
 
 * the gradient reduction alone (`mnjax.collectives.allreduce_tree` on the digits CNN's
   gradient tree, 151k float32, inside `mnjax.data_parallel`), in microseconds;
 * the digits CNN train step, as efficiency = step time with no cross-process traffic
   (gradients averaged over the local devices only) / step time with the kind.
+
+``xla`` is JAX's own path (jax.distributed, a global mesh, gloo collectives on CPU); its
+step also pays for turning the process's arrays into global ones and back on every call.
 
 Each round's time is the slowest rank's; medians over rounds are reported.
 """
@@ -27,7 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-KINDS = ("hierarchical", "two_dimensional")
+# Two launches: starting jax.distributed (for xla) switches *all* of a process's CPU
+# collectives to gloo, local psums included (measured: the local-only step went from 12.6 to
+# 30 ms), so the MPI kinds are measured in processes without it. Each launch has its own
+# local-only baseline.
+GROUPS = {"mpi": ("hierarchical", "two_dimensional"), "xla": ("xla",)}
 
 
 def _parse(argv):
@@ -38,24 +45,29 @@ def _parse(argv):
   p.add_argument("--steps", type=int, default=20, help="steps per timed round")
   p.add_argument("--rounds", type=int, default=9)
   p.add_argument("--out", default="runs/bench/kinds.json")
-  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--worker", choices=tuple(GROUPS), help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
 
 def _worker(args) -> dict | None:
+  import mnjax
+
+  kinds = GROUPS[args.worker]
+  if args.worker == "xla":  # first: jax.distributed must start before JAX is used
+    xla = mnjax.create_communicator("xla")
   import jax
   import optax
   from mpi4py import MPI
-
-  import mnjax
   from mnjax.classifier import create_train_state, make_train_step
   from mnjax.models import SmallCNN
 
   data = mnjax.datasets.load_digits("train")
-  comms = {kind: mnjax.create_communicator(kind) for kind in KINDS}
+  comms = {"xla": xla} if args.worker == "xla" else {k: mnjax.create_communicator(k) for k in kinds}
   # The baseline: the same mapped step, gradients averaged over local devices only.
-  some = comms[KINDS[0]]
-  local_only = dataclasses.replace(some, kind="single_node", size=1)
+  some = comms[kinds[0]]
+  local_only = dataclasses.replace(
+      mnjax.create_communicator("hierarchical") if args.worker == "xla" else some,
+      kind="single_node", size=1)
   variants = {"local_only": local_only, **comms}
   per_process = args.batch_per_device * some.local_device_count
   images = data.images[:per_process]
@@ -103,7 +115,7 @@ def _worker(args) -> dict | None:
       "batch_per_device": args.batch_per_device,
       "reduce_us": {k: v * 1e6 for k, v in reduce_med.items()},
       "step_ms": {k: v * 1e3 for k, v in step_med.items()},
-      "efficiency": {k: step_med["local_only"] / step_med[k] for k in KINDS},
+      "efficiency": {k: step_med["local_only"] / step_med[k] for k in kinds},
   }
 
 
@@ -115,20 +127,26 @@ def main(argv):
       print(json.dumps(result))
     return
   mpirun = Path(sys.executable).with_name("mpirun")
-  cmd = [str(mpirun if mpirun.exists() else "mpirun"), "--bind-to", "core", "-n",
-         str(args.ranks), sys.executable, "-m", "mnjax.bench", "kinds", *argv, "--worker"]
   env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_"))}
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-  if out.returncode != 0:
-    sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-  result = json.loads(out.stdout.strip().splitlines()[-1])
-  print(f"{result['processes']} processes x {result['devices_per_process']} devices,"
-        f" {result['batch_per_device']} images per device")
-  print(f"{'kind':18s} {'reduce (us)':>12s} {'step (ms)':>10s} {'efficiency':>11s}")
-  for kind in ("local_only", *KINDS):
-    eff = result["efficiency"].get(kind, 1.0)
-    print(f"{kind:18s} {result['reduce_us'][kind]:12.0f} {result['step_ms'][kind]:10.2f} {eff:11.3f}")
+  results = {}
+  for group in GROUPS:
+    cmd = [str(mpirun if mpirun.exists() else "mpirun"), "--bind-to", "core", "-n",
+           str(args.ranks), sys.executable, "-m", "mnjax.bench", "kinds", *argv,
+           "--worker", group]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+      sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    results[group] = json.loads(out.stdout.strip().splitlines()[-1])
+  first = results["mpi"]
+  print(f"{first['processes']} processes x {first['devices_per_process']} devices,"
+        f" {first['batch_per_device']} images per device")
+  print(f"{'launch':6s} {'kind':16s} {'reduce (us)':>12s} {'step (ms)':>10s} {'efficiency':>11s}")
+  for group, result in results.items():
+    for kind in ("local_only", *GROUPS[group]):
+      eff = result["efficiency"].get(kind, 1.0)
+      print(f"{group:6s} {kind:16s} {result['reduce_us'][kind]:12.0f}"
+            f" {result['step_ms'][kind]:10.2f} {eff:11.3f}")
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(result, indent=2))
+  Path(args.out).write_text(json.dumps(results, indent=2))
   print(f"results in {args.out}")

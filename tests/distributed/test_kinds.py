@@ -107,3 +107,10 @@ def test_single_node_under_several_processes(comm):
 def test_flat_drives_one_device_only(comm):
   with pytest.raises(ValueError, match="drives one device per process"):
     mnjax.create_communicator("flat", local_devices=2)
+
+
+def test_xla_after_jax_started_is_a_clear_error_on_every_rank(comm):
+  jax.devices()  # this test process has used JAX already: jax.distributed can no longer start
+  with pytest.raises(ValueError, match=r"create_communicator\('xla'\) must run before JAX uses any device"):
+    mnjax.create_communicator("xla")
+  assert comm.mpi_comm.allreduce(1) == comm.size
