@@ -55,7 +55,7 @@ def _train_step(state: TrainState, images, labels, axis_name: str | None = None)
   grads, metrics = jax.grad(_loss_and_metrics, has_aux=True)(
       state.params, state.apply_fn, images, labels, weights
   )
-  if axis_name is not None:  # several local devices: metrics of the whole process batch
+  if axis_name is not None:  # sum over this process's local devices, inside the step
     metrics = jax.lax.psum(metrics, axis_name)
   return state.apply_gradients(grads=grads), metrics
 
@@ -73,15 +73,29 @@ Example:
 def make_train_step(comm: Communicator):
   """`train_step` for `comm`'s kind: jitted (``flat``) or mapped over the local devices.
 
+  Metrics are sums over this process's examples, for every kind.
+
   Example:
     >>> step = make_train_step(comm)
     >>> state, metrics = step(state, images, labels)   # this process's batch
   """
   if not comm.multi_device:
     return train_step
-  return data_parallel(
-      functools.partial(_train_step, axis_name=comm.axis_name), comm, batch_argnums=(1, 2)
-  )
+  if comm.kind != "xla":
+    # The local axis spans this process's devices: psum gives the process's sums. (Summing
+    # per-device outputs afterwards would add a separate multi-device program between
+    # steps; keeping the reduction inside the step keeps one program per step.)
+    return data_parallel(
+        functools.partial(_train_step, axis_name=comm.axis_name), comm, batch_argnums=(1, 2)
+    )
+  # xla: the axis spans every process, so take per-device rows and add this process's.
+  mapped = data_parallel(_train_step, comm, batch_argnums=(1, 2), per_device_outputs=(1,))
+
+  def step(state, images, labels):
+    state, per_device = mapped(state, images, labels)
+    return state, jax.tree.map(lambda x: x.sum(0), per_device)
+
+  return step
 
 
 @jax.jit

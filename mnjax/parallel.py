@@ -24,19 +24,25 @@ __all__ = ["data_parallel"]
 
 
 def data_parallel(
-    fn: Callable[..., Any], comm: Communicator, *, batch_argnums: Sequence[int] = (1,)
+    fn: Callable[..., Any],
+    comm: Communicator,
+    *,
+    batch_argnums: Sequence[int] = (1,),
+    per_device_outputs: Sequence[int] = (),
 ) -> Callable[..., Any]:
   """A jitted version of the per-device step `fn` that runs on every local device.
 
-  Every output of `fn` must be the same on all local devices (parameters updated with
-  all-reduced gradients are; reduce per-device metrics with
-  ``jax.lax.psum(x, comm.axis_name)`` before returning them).
+  Outputs of `fn` must be the same on all devices (parameters updated with all-reduced
+  gradients are), except those listed in `per_device_outputs` (e.g. metrics of each
+  device's examples): they come back stacked along a new leading axis, one row per local
+  device of this process, for every kind alike.
 
   Args:
     fn: ``fn(*args)``, written for one device and one device's share of the batch.
     comm: the `Communicator`; for ``flat`` the result is just ``jax.jit(fn)``.
     batch_argnums: positions of the arguments whose leaves are split along axis 0 across
       the local devices (this process's batch); the others are replicated.
+    per_device_outputs: positions in `fn`'s output tuple that differ per device.
 
   Returns:
     ``step(*args)``; batch arguments hold this process's examples and must split evenly
@@ -49,16 +55,39 @@ def data_parallel(
   """
   check_communicator(comm, "data_parallel")
   batch_argnums = tuple(batch_argnums)
+  per_device_outputs = tuple(per_device_outputs)
   if not comm.multi_device:
-    return jax.jit(fn)
+    if not per_device_outputs:
+      return jax.jit(fn)
+
+    def one_device(*args):  # the same contract: a leading axis of one local device
+      out = list(fn(*args))
+      for i in per_device_outputs:
+        out[i] = jax.tree.map(lambda x: x[None], out[i])
+      return tuple(out)
+
+    return jax.jit(one_device)
   n = comm.local_device_count
 
+  def stacked(*args):
+    out = fn(*args)
+    if not per_device_outputs:
+      return out
+    out = list(out)
+    for i in per_device_outputs:
+      out[i] = jax.tree.map(lambda x: x[None], out[i])
+    return tuple(out)
+
   @functools.lru_cache(maxsize=None)
-  def compiled(nargs: int):
+  def compiled(nargs: int, nout: int | None):
     in_specs = tuple(P(comm.axis_name) if i in batch_argnums else P() for i in range(nargs))
-    mapped = jax.shard_map(fn, mesh=comm.mesh, in_specs=in_specs, out_specs=P(),
+    out_specs = (P() if nout is None else
+                 tuple(P(comm.axis_name) if i in per_device_outputs else P() for i in range(nout)))
+    mapped = jax.shard_map(stacked, mesh=comm.mesh, in_specs=in_specs, out_specs=out_specs,
                            check_vma=False)
     return jax.jit(mapped)
+
+  output_lengths: dict[int, int] = {}
 
   def step(*args):
     for i in batch_argnums:
@@ -71,9 +100,16 @@ def data_parallel(
               f" local devices. Use a per-process batch that is a multiple of {n} (a global"
               f" batch that is a multiple of {comm.num_replicas})."
           )
+    nout = None
+    if per_device_outputs:  # the output tuple's length, from one abstract evaluation
+      if len(args) not in output_lengths:
+        shapes = _global_shapes(args, batch_argnums, comm)
+        output_lengths[len(args)] = len(jax.eval_shape(compiled(len(args), None), *shapes))
+      nout = output_lengths[len(args)]
+    run = compiled(len(args), nout)
     if comm.kind == "xla":
-      return _local(compiled(len(args))(*_global(args, batch_argnums, comm)))
-    return compiled(len(args))(*args)
+      return _local(run(*_global(args, batch_argnums, comm)), per_device_outputs)
+    return run(*args)
 
   return step
 
@@ -104,7 +140,28 @@ def _global(args: tuple, batch_argnums: tuple, comm: Communicator) -> list:
   return out
 
 
-def _local(tree: Any) -> Any:
-  """``xla``: replicated global outputs back to ordinary arrays on this process's first
-  device, so that host code (metrics, evaluation, checkpoints) treats every kind alike."""
-  return jax.tree.map(lambda a: a.addressable_data(0), tree)
+def _global_shapes(args: tuple, batch_argnums: tuple, comm: Communicator) -> list:
+  """Abstract arguments as the mapped function sees them (``xla``: the whole global batch)."""
+  scale = comm.size if comm.kind == "xla" else 1
+
+  def batch(x):
+    return jax.ShapeDtypeStruct((np.shape(x)[0] * scale, *np.shape(x)[1:]), x.dtype)
+
+  return [jax.tree.map(batch, a) if i in batch_argnums else a for i, a in enumerate(args)]
+
+
+def _local(out: Any, per_device_outputs: tuple) -> Any:
+  """``xla``: global outputs back to ordinary arrays on this process, so that host code
+  (metrics, evaluation, checkpoints) treats every kind alike: replicated outputs from the
+  first local device, per-device outputs as this process's rows stacked in device order."""
+
+  def rows(a):
+    shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start)
+    return jax.numpy.concatenate([jax.device_put(s.data, shards[0].device) for s in shards])
+
+  if not per_device_outputs:
+    return jax.tree.map(lambda a: a.addressable_data(0), out)
+  return tuple(
+      jax.tree.map(rows if i in per_device_outputs else (lambda a: a.addressable_data(0)), o)
+      for i, o in enumerate(out)
+  )

@@ -1,0 +1,63 @@
+"""Run under mpirun by tests/test_xla.py: the `xla` kind in a fresh process.
+
+`create_communicator("xla")` must come before JAX touches a device, so this cannot live in
+the shared pytest process. Prints one ``XLA OK`` line per rank when every check passes.
+"""
+
+import mnjax
+
+comm = mnjax.create_communicator("xla")
+
+import hashlib  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from mnjax import collectives  # noqa: E402
+from mnjax.classifier import create_train_state, make_train_step  # noqa: E402
+from mnjax.models import SmallCNN  # noqa: E402
+
+PER_DEVICE = 4
+data = mnjax.datasets.load_digits("train")
+model = SmallCNN()
+assert comm.num_replicas == jax.device_count() == comm.size * jax.local_device_count()
+
+# 1. Averaged gradients equal the global-batch gradient (what flat computes), fp32 rounding.
+global_batch = PER_DEVICE * comm.num_replicas
+images, labels = data.images[:global_batch], data.labels[:global_batch]
+params = model.init(jax.random.key(0), images[:1])["params"]
+
+
+def loss(p, x, y):
+  return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+
+averaged = mnjax.data_parallel(
+    lambda p, x, y: collectives.allreduce_tree(jax.grad(loss)(p, x, y), comm), comm,
+    batch_argnums=(1, 2),
+)
+per_process = global_batch // comm.size
+mine = slice(comm.rank * per_process, (comm.rank + 1) * per_process)
+got = averaged(params, images[mine], labels[mine])
+expected = jax.jit(jax.grad(loss))(params, images, labels)
+worst = max(
+    float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))
+)
+assert worst <= 1e-5, worst
+
+# 2. Training keeps parameters identical on every process.
+tx = optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3))
+state = mnjax.broadcast(
+    create_train_state(model, tx, images[:1], jax.random.key(comm.rank)), comm
+)
+step = make_train_step(comm)
+for idx, _ in mnjax.epoch_batches(len(data), comm, 8 * comm.num_replicas, shuffle=True):
+  state, metrics = step(state, data.images[idx], data.labels[idx])
+  if int(state.step) == 4:
+    break
+digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(state.params)))
+assert len(set(comm.mpi_comm.allgather(digest.hexdigest()))) == 1
+assert int(metrics["count"]) == 8 * comm.local_device_count
+print(f"XLA OK rank {comm.rank} worst relative difference {worst:.2e}", flush=True)
