@@ -33,8 +33,8 @@ def test_unknown_benchmark_is_a_clear_error():
 def test_kinds_benchmark_smoke(tmp_path):
   out = tmp_path / "kinds.json"
   result = subprocess.run(
-      [sys.executable, "-m", "mnjax.bench", "kinds", "--rounds", "1", "--steps", "2", "--big_calls", "1",
-       "--out", str(out)],
+      [sys.executable, "-m", "mnjax.bench", "kinds", "--rounds", "1", "--steps", "2",
+       "--big_calls", "1", "--out", str(out)],
       cwd=REPO, capture_output=True, text=True, timeout=600,
   )
   assert result.returncode == 0, result.stdout + result.stderr
