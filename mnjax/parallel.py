@@ -20,7 +20,7 @@ local rendezvous under asynchronous dispatch and reaches only 0.83 synchronised.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -96,6 +96,7 @@ def data_parallel(
     return jax.jit(mapped)
 
   output_lengths: dict[int, int] = {}
+  shardings = _XlaShardings.of(comm) if comm.kind == "xla" else None
 
   def step(*args):
     for i in batch_argnums:
@@ -116,36 +117,44 @@ def data_parallel(
       nout = output_lengths[len(args)]
     run = compiled(len(args), nout)
     if comm.kind == "xla":
-      return _local(run(*_global(args, batch_argnums, comm)), per_device_outputs)
+      return _local(run(*_global(args, batch_argnums, shardings)), per_device_outputs)
     return run(*args)
 
   return step
 
 
-def _global(args: tuple, batch_argnums: tuple, comm: Communicator) -> list:
+class _XlaShardings(NamedTuple):
+  """``xla``: where global arguments live (built once per `data_parallel`)."""
+
+  split: NamedSharding  # the batch, over every device of the job
+  replicated: NamedSharding  # everything else, on every device of the job
+  local: NamedSharding  # replicated over this process's devices only
+
+  @classmethod
+  def of(cls, comm: Communicator) -> "_XlaShardings":
+    mesh = comm.mesh
+    local_mesh = jax.sharding.Mesh(np.array(comm.devices), ("local",))
+    return cls(NamedSharding(mesh, P(comm.axis_name)), NamedSharding(mesh, P()),
+               NamedSharding(local_mesh, P()))
+
+
+def _global(args: tuple, batch_argnums: tuple, shardings: _XlaShardings) -> list:
   """``xla``: this process's arguments as global arrays over every device of the job.
 
   Batch arguments hold this process's rows of the global batch (process-major, matching
   `mnjax.epoch_batches`); the other arguments are the same on every process (replicated).
   """
-  mesh = comm.mesh
-  split = NamedSharding(mesh, P(comm.axis_name))
-  replicated = NamedSharding(mesh, P())
-  local = NamedSharding(jax.sharding.Mesh(np.array(comm.devices), ("d",)), P())
 
   def replicate(leaf):
-    leaf = jax.device_put(leaf, local)  # one copy per local device
+    leaf = jax.device_put(leaf, shardings.local)  # one copy per local device
     shards = [shard.data for shard in leaf.addressable_shards]
-    return jax.make_array_from_single_device_arrays(np.shape(leaf), replicated, shards)
+    return jax.make_array_from_single_device_arrays(np.shape(leaf), shardings.replicated, shards)
 
-  out = []
-  for i, arg in enumerate(args):
-    if i in batch_argnums:
-      out.append(jax.tree.map(
-          lambda x: jax.make_array_from_process_local_data(split, np.asarray(x)), arg))
-    else:
-      out.append(jax.tree.map(replicate, arg))
-  return out
+  def split(leaf):
+    return jax.make_array_from_process_local_data(shardings.split, np.asarray(leaf))
+
+  return [jax.tree.map(split if i in batch_argnums else replicate, arg)
+          for i, arg in enumerate(args)]
 
 
 def _global_shapes(args: tuple, batch_argnums: tuple, comm: Communicator) -> list:

@@ -27,9 +27,6 @@ KINDS: dict[str, str] = {
     "xla": "JAX-native: jax.distributed + a global mesh, psum across all devices",
 }
 
-#: Kinds implemented in this release. The others are designed (see KINDS) but not built yet.
-IMPLEMENTED_KINDS = ("flat", "hierarchical", "two_dimensional", "single_node", "xla")
-
 #: Kinds that drive several local devices from one process (through `mnjax.data_parallel`).
 MULTI_DEVICE_KINDS = ("hierarchical", "two_dimensional", "single_node", "xla")
 
@@ -127,12 +124,6 @@ def _check_kind(kind: Any) -> str:
         f"create_communicator: unknown communicator kind {kind!r}. Expected one of"
         f" {', '.join(repr(k) for k in KINDS)}; for one MPI process per device use"
         " create_communicator('flat')."
-    )
-  if kind not in IMPLEMENTED_KINDS:
-    raise NotImplementedError(
-        f"create_communicator: kind {kind!r} ({KINDS[kind]}) is designed but not"
-        f" implemented in this release; implemented kinds: {IMPLEMENTED_KINDS}. Run one"
-        " MPI process per device with create_communicator('flat')."
     )
   return kind
 
