@@ -64,20 +64,8 @@ def data_parallel(
   check_communicator(comm, "data_parallel")
   batch_argnums = tuple(batch_argnums)
   per_device_outputs = tuple(per_device_outputs)
-  if not comm.multi_device:
-    if not per_device_outputs:
-      return jax.jit(fn)
 
-    def one_device(*args):  # the same contract: a leading axis of one local device
-      out = list(fn(*args))
-      for i in per_device_outputs:
-        out[i] = jax.tree.map(lambda x: x[None], out[i])
-      return tuple(out)
-
-    return jax.jit(one_device)
-  n = comm.local_device_count
-
-  def stacked(*args):
+  def stacked(*args):  # per-device outputs get a leading axis: one row per device
     out = fn(*args)
     if not per_device_outputs:
       return out
@@ -85,6 +73,10 @@ def data_parallel(
     for i in per_device_outputs:
       out[i] = jax.tree.map(lambda x: x[None], out[i])
     return tuple(out)
+
+  if not comm.multi_device:
+    return jax.jit(stacked)
+  n = comm.local_device_count
 
   @functools.lru_cache(maxsize=None)
   def compiled(nargs: int, nout: int | None):
