@@ -11,9 +11,10 @@ Run the script with ``mpirun -n 4 python train.py`` (or ``srun``), or without a 
 for a size-1 communicator.
 """
 
-from mnjax import collectives, data, datasets, metrics, topology, workdir
-from mnjax.collectives import broadcast
+from mnjax import accumulation, collectives, data, datasets, metrics, native, topology, wire, workdir
+from mnjax.accumulation import accumulate_gradients
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
+from mnjax.host_broadcast import broadcast
 from mnjax.metrics import allreduce_metrics, global_mean
 from mnjax.parallel import data_parallel
 from mnjax.topology import KINDS, Communicator, create_communicator
@@ -24,6 +25,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Communicator",
     "KINDS",
+    "accumulate_gradients",
+    "accumulation",
     "allreduce_gradients",
     "allreduce_metrics",
     "broadcast",
@@ -36,8 +39,10 @@ __all__ = [
     "global_mean",
     "local_batch_size",
     "metrics",
+    "native",
     "scatter_dataset",
     "scatter_index",
     "topology",
+    "wire",
     "workdir",
 ]

@@ -1,20 +1,16 @@
-"""Pytree-level collectives: fuse leaves into one flat buffer per wire dtype, reduce it once.
+"""In-step collectives on pytrees: fuse leaves into few flat buffers, reduce each once.
 
-Two families live here, because they run in two different places:
+`allreduce_tree` runs *inside* a traced (jitted) step. It packs the gradient pytree into one
+contiguous buffer per dtype (or per bucket, see ``bucket_bytes``) and issues one MPI
+allreduce per buffer, instead of one MPI call per leaf (161 calls for ResNet-50). Packing
+and unpacking are ordinary XLA ops that fuse with the surrounding step; the packed buffer is
+an intermediate, so the in-place MPI handler (`mnjax.native`) reduces it where it lies. On a
+size-1 communicator no collective is traced at all, so single-process runs pay nothing.
 
-* `allreduce_tree` runs *inside* a traced (jitted) step. It packs the gradient pytree into
-  one contiguous buffer per wire dtype and issues one MPI allreduce per buffer, instead
-  of one MPI call per leaf (161 calls for ResNet-50). Packing and unpacking are ordinary XLA
-  ops that fuse with the surrounding step. On a size-1 communicator no collective is traced
-  at all, so single-process runs pay nothing.
-* `broadcast` runs on the host, outside any trace (initial parameters, optimizer state). It
-  uses mpi4py on numpy buffers, also fused per dtype, after checking on every rank that all
-  ranks passed the same tree structure, shapes and dtypes — a mismatch raises everywhere
-  instead of corrupting memory or hanging.
-
-This is the one module that knows about MPI datatypes: MPI has no 16-bit float type and
-mpi4jax refuses ``float16``/``bfloat16``, so half-precision leaves travel as ``float32`` and are
-cast back.
+This is the one module that knows about MPI datatypes: MPI has no 16-bit float type, so
+half-precision *leaves* travel as float32 and are cast back, while a half-precision *wire*
+(``wire_dtype``) is built from 16-bit moves with float32 sums (`mnjax.wire`). Host-level
+transfers (initial parameters) live in `mnjax.broadcast`.
 """
 
 from __future__ import annotations
@@ -24,13 +20,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from mpi4py import MPI
 
-from mnjax import mpi_ops
+from mnjax import mpi_ops, wire
 from mnjax.topology import Communicator, check_communicator
 
 __all__ = [
-    "allreduce_tree", "broadcast", "check_float_leaves", "pack", "unpack", "wire_dtype_of"
+    "allreduce_tree", "check_bucket_bytes", "check_float_leaves", "group_by_dtype", "pack",
+    "plan_buckets", "unpack", "wire_dtype_of",
 ]
 
 
@@ -42,47 +38,108 @@ def wire_dtype_of(dtype: Any) -> np.dtype:
     dtype('float32')
   """
   dtype = np.dtype(dtype)
-  if dtype in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+  if dtype in wire.WIRE_DTYPES:
     return np.dtype(np.float32)
   return dtype
 
 
-def check_float_leaves(tree: Any, caller: str) -> None:
-  """Raises a `TypeError` naming the first leaf of `tree` that is not a float/complex array.
+def check_float_leaves(tree: Any, caller: str, *, real: bool = False) -> None:
+  """Raises a `TypeError` naming the first leaf of `tree` that is not a float array.
 
   Gradients of integer or boolean leaves are not averaged (JAX gives them ``float0``);
-  they must not enter the allreduce.
+  they must not enter the allreduce. With ``real=True`` (a half-precision wire) complex
+  leaves are refused too.
 
   Example:
     >>> check_float_leaves({"step": jnp.zeros((), jnp.int32)}, "my_fn")
     TypeError: my_fn: every gradient leaf must be a floating-point ... leaf ['step'] ...
   """
+  kind = jnp.floating if real else jnp.inexact
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = getattr(leaf, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+    if dtype is None or not jnp.issubdtype(dtype, kind):
+      what = "real floating-point" if real else "floating-point (or complex)"
       raise TypeError(
-          f"{caller}: every gradient leaf must be a floating-point (or complex) array, but"
-          f" leaf {jax.tree_util.keystr(path) or '<root>'} has dtype"
-          f" {dtype if dtype is not None else type(leaf).__name__}. Integer, boolean and float0 leaves cannot be averaged"
-          " across ranks: keep them out of the differentiated parameters (e.g. in a"
-          " separate flax collection) or use jax.grad(..., allow_int=False) on float"
-          " parameters only."
+          f"{caller}: every gradient leaf must be a {what} array, but leaf"
+          f" {jax.tree_util.keystr(path) or '<root>'} has dtype"
+          f" {dtype if dtype is not None else type(leaf).__name__}."
+          + (" A half-precision wire_dtype carries real float gradients only: use"
+             " wire_dtype=None for this tree." if real and dtype is not None
+             and jnp.issubdtype(dtype, jnp.inexact) else
+             " Integer, boolean and float0 leaves cannot be averaged across ranks: keep"
+             " them out of the differentiated parameters (e.g. in a separate flax"
+             " collection) or differentiate float parameters only.")
       )
 
 
-class _Group(NamedTuple):
-  """Leaves (by position) that share one fused buffer."""
+def check_bucket_bytes(bucket_bytes: Any, caller: str) -> int | None:
+  """`bucket_bytes` if it is None or a positive int, else a ValueError.
 
-  wire_dtype: np.dtype
+  Example:
+    >>> check_bucket_bytes(25 * 2**20, "allreduce_gradients")
+    26214400
+  """
+  if bucket_bytes is None:
+    return None
+  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
+    raise ValueError(
+        f"{caller}: bucket_bytes must be None (one buffer per dtype) or a positive number"
+        f" of bytes, got {bucket_bytes!r}; e.g. bucket_bytes=25 * 2**20 for PyTorch DDP's"
+        " default 25 MB buckets."
+    )
+  return int(bucket_bytes)
+
+
+class Bucket(NamedTuple):
+  """Leaves (by position in the flattened tree) packed into one buffer of `dtype`."""
+
+  dtype: np.dtype
   positions: tuple[int, ...]
 
 
-def _groups(dtypes: list[Any], key=wire_dtype_of) -> list[_Group]:
-  """Leaf positions grouped by ``key(dtype)``, in first-appearance order (same on every rank)."""
+def group_by_dtype(dtypes: list[Any], key=wire_dtype_of) -> list[Bucket]:
+  """Leaf positions grouped by ``key(dtype)``, in first-appearance order (same on every rank).
+
+  Example:
+    >>> group_by_dtype([jnp.float32, jnp.complex64, jnp.bfloat16])
+    [Bucket(dtype=dtype('float32'), positions=(0, 2)), Bucket(dtype=dtype('complex64'), positions=(1,))]
+  """
   by_key: dict[np.dtype, list[int]] = {}
   for i, dtype in enumerate(dtypes):
     by_key.setdefault(np.dtype(key(dtype)), []).append(i)
-  return [_Group(d, tuple(p)) for d, p in by_key.items()]
+  return [Bucket(d, tuple(p)) for d, p in by_key.items()]
+
+
+def plan_buckets(leaves: list[Any], *, wire_dtype: np.dtype | None = None,
+                 bucket_bytes: int | None = None) -> list[Bucket]:
+  """How the leaves are fused: one bucket per dtype, or buckets of at most `bucket_bytes`.
+
+  With a half-precision `wire_dtype` every (real) leaf accumulates in float32. With
+  `bucket_bytes`, each dtype's leaves are taken in *reverse* tree order (for a sequential
+  model roughly the order backprop produces them, as in PyTorch DDP) and cut into buckets
+  whose wire size stays within the cap; a leaf larger than the cap gets a bucket of its own.
+
+  Example:
+    >>> plan_buckets([jnp.ones(4), jnp.ones(4), jnp.ones(4)], bucket_bytes=32)
+    [Bucket(dtype=dtype('float32'), positions=(2, 1)), Bucket(dtype=dtype('float32'), positions=(0,))]
+  """
+  key = (lambda dtype: np.float32) if wire_dtype is not None else wire_dtype_of
+  groups = group_by_dtype([leaf.dtype for leaf in leaves], key=key)
+  if bucket_bytes is None:
+    return groups
+  buckets = []
+  for group in groups:
+    itemsize = (wire_dtype or group.dtype).itemsize
+    current, size = [], 0
+    for i in reversed(group.positions):
+      nbytes = leaves[i].size * itemsize
+      if current and size + nbytes > bucket_bytes:
+        buckets.append(Bucket(group.dtype, tuple(current)))
+        current, size = [], 0
+      current.append(i)
+      size += nbytes
+    buckets.append(Bucket(group.dtype, tuple(current)))
+  return buckets
 
 
 def pack(leaves: list[Any], dtype: Any) -> jax.Array:
@@ -97,6 +154,8 @@ def pack(leaves: list[Any], dtype: Any) -> jax.Array:
     >>> pack([jnp.ones((2, 2)), jnp.zeros(3, jnp.bfloat16)], jnp.float32).shape
     (7,)
   """
+  if len(leaves) == 1:
+    return jnp.ravel(leaves[0]).astype(dtype)
   total = sum(leaf.size for leaf in leaves)
   buf = jnp.zeros((total,), dtype)
   offset = 0
@@ -121,19 +180,25 @@ def unpack(buf: jax.Array, like: list[Any]) -> list[jax.Array]:
   return out
 
 
-def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True) -> Any:
-  """Sums (or averages) every leaf of `tree` over all ranks; call inside a jitted step.
+def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dtype: Any = None,
+                   bucket_bytes: int | None = None) -> Any:
+  """Sums (or averages) every leaf of `tree` over all replicas; call inside a jitted step.
 
-  One reduction per wire dtype: leaves are packed into one buffer, reduced, and unpacked to
-  their shapes and dtypes. MPI traffic uses `mnjax.mpi_ops` (no JAX effect, so the step
-  keeps JAX's fast asynchronous dispatch) on the in-step communicators; several buffers
-  are chained through data dependencies so every rank issues them in one order. For the
-  multi-device kinds call it inside `mnjax.data_parallel` (the local axis must be bound).
+  Leaves are packed into buffers (`plan_buckets`), each reduced once and unpacked to the
+  leaves' shapes and dtypes. MPI traffic uses `mnjax.mpi_ops` (no JAX effect, so the step
+  keeps JAX's fast asynchronous dispatch) on the in-step communicators; buffers are chained
+  through data dependencies so every rank issues them in one order. For the multi-device
+  kinds call it inside `mnjax.data_parallel` (the local axis must be bound).
 
   Args:
-    tree: pytree of float/complex arrays, the same structure on every rank.
+    tree: pytree of float arrays (complex too without `wire_dtype`), the same structure on
+      every rank.
     comm: the `Communicator`.
     mean: divide the sum by the number of replicas (processes x local devices).
+    wire_dtype: None (leaves travel in their own precision) or ``jnp.bfloat16`` /
+      ``jnp.float16``: cross-process traffic in 16 bits with float32 sums, error bound in
+      `mnjax.wire`.
+    bucket_bytes: None (one buffer per dtype) or the largest buffer, in wire bytes.
 
   Returns:
     A pytree like `tree` holding the global sum or mean.
@@ -144,22 +209,29 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True) -> Any:
     {'w': Array([1., 1., 1.], dtype=float32)}
   """
   check_communicator(comm, "allreduce_tree")
-  check_float_leaves(tree, "allreduce_tree")
+  wire_dtype = wire.check_wire_dtype(wire_dtype, "allreduce_tree")
+  bucket_bytes = check_bucket_bytes(bucket_bytes, "allreduce_tree")
+  check_float_leaves(tree, "allreduce_tree", real=wire_dtype is not None)
   if comm.num_replicas == 1:
     return tree
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   out: list[Any] = [None] * len(leaves)
+  replicas = comm.num_replicas
   previous = None
-  for group in _groups([leaf.dtype for leaf in leaves]):
-    members = [leaves[i] for i in group.positions]
-    fused = pack(members, group.wire_dtype)
-    if previous is not None:  # issue order = program order, on every rank
-      fused, _ = jax.lax.optimization_barrier((fused, previous))
-    fused = _REDUCERS[comm.kind](fused, comm)
-    previous = fused
-    if mean:
-      fused = fused / jnp.asarray(comm.num_replicas, group.wire_dtype)
-    for i, leaf in zip(group.positions, unpack(fused, members)):
+  for bucket in plan_buckets(leaves, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes):
+    members = [leaves[i] for i in bucket.positions]
+    buf = pack(members, bucket.dtype)
+    if wire_dtype is not None:  # pre-scale: what travels sums to the mean (fp16 range)
+      buf = buf * jnp.asarray(1.0 / replicas, bucket.dtype)
+    # `after`: each collective waits for the previous one, so every rank issues them in one
+    # order (XLA:CPU would otherwise run independent custom calls in any order).
+    buf = _REDUCERS[comm.kind](buf, comm, wire_dtype, previous)
+    previous = buf
+    if wire_dtype is None and mean:
+      buf = buf / jnp.asarray(replicas, bucket.dtype)
+    elif wire_dtype is not None and not mean:
+      buf = buf * jnp.asarray(replicas, bucket.dtype)
+    for i, leaf in zip(bucket.positions, unpack(buf, members)):
       out[i] = leaf
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -171,129 +243,62 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True) -> Any:
 # device of the SPMD program. Measured choice: docs/design/multi_device.md.
 
 
-def _flat(buf, comm):
-  return mpi_ops.allreduce_sum(buf, comm.device_comm)
+def _mpi_sum(buf, mpi_comm, wire_dtype, after):
+  if wire_dtype is None:
+    return mpi_ops.allreduce_sum(buf, mpi_comm, after)
+  return wire.half_allreduce(buf, wire_dtype, mpi_comm.Get_size(),
+                             lambda x: mpi_ops.alltoall(x, mpi_comm, after),
+                             lambda x: mpi_ops.allgather(x, mpi_comm))  # after the alltoall
 
 
-def _single_node(buf, comm):
-  return jax.lax.psum(buf, comm.axis_name)
+def _flat(buf, comm, wire_dtype, after):
+  return _mpi_sum(buf, comm.device_comm, wire_dtype, after)
 
 
-def _hierarchical(buf, comm):
+def _axis(buf, comm, wire_dtype, after):
+  del after  # XLA orders its own collectives
+  """XLA's own collectives over ``comm.axis_name`` (local devices, or all for xla)."""
+  if wire_dtype is None:
+    return jax.lax.psum(buf, comm.axis_name)
+  axis = comm.axis_name
+  return wire.half_allreduce(buf, wire_dtype, comm.num_replicas,
+                             lambda x: jax.lax.all_to_all(x, axis, 0, 0),
+                             lambda x: jax.lax.all_gather(x, axis))
+
+
+def _hierarchical(buf, comm, wire_dtype, after):
   """psum over local devices; device 0 allreduces across processes; psum hands it out."""
   local = jax.lax.psum(buf, comm.axis_name)
   if comm.size == 1:
     return local
   first = jax.lax.axis_index(comm.axis_name) == 0
   reduced = jax.lax.cond(
-      first, lambda b: mpi_ops.allreduce_sum(b, comm.device_comms[0]), jnp.zeros_like, local
-  )
+      first, lambda b, a: _mpi_sum(b, comm.device_comms[0], wire_dtype, a),
+      lambda b, a: jnp.zeros_like(b), local, _operand(after))
   return jax.lax.psum(reduced, comm.axis_name)
 
 
-def _two_dimensional(buf, comm):
+def _two_dimensional(buf, comm, wire_dtype, after):
   """Reduce-scatter over local devices; local device i allreduces shard i across processes
   on its own communicator; all-gather over local devices."""
   n = comm.local_device_count
-  pad = (-buf.size) % n
-  padded = jnp.pad(buf, (0, pad))
+  padded = jnp.pad(buf, (0, (-buf.size) % n))
   shard = jax.lax.psum_scatter(padded, comm.axis_name, tiled=True)
   if comm.size > 1:
-    branches = [lambda s, c=c: mpi_ops.allreduce_sum(s, c) for c in comm.device_comms]
-    shard = jax.lax.switch(jax.lax.axis_index(comm.axis_name), branches, shard)
+    branches = [lambda s, a, c=c: _mpi_sum(s, c, wire_dtype, a) for c in comm.device_comms]
+    shard = jax.lax.switch(jax.lax.axis_index(comm.axis_name), branches, shard, _operand(after))
   return jax.lax.all_gather(shard, comm.axis_name, tiled=True)[: buf.size]
+
+
+def _operand(after):
+  """`after` as an array operand of cond/switch (the first collective has none)."""
+  return jnp.zeros((), jnp.uint8) if after is None else after
 
 
 _REDUCERS = {
     "flat": _flat,
-    "single_node": _single_node,
-    "xla": _single_node,  # the axis spans every device of every process: XLA's own psum
+    "single_node": _axis,
+    "xla": _axis,  # the axis spans every device of every process: XLA's own collectives
     "hierarchical": _hierarchical,
     "two_dimensional": _two_dimensional,
 }
-
-
-def _signature(tree: Any, arrays: list[np.ndarray]) -> tuple:
-  """(leaf path, shape, dtype) per leaf: what must agree across ranks before a transfer."""
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  return tuple((p, a.shape, a.dtype.str) for p, a in zip(paths, arrays))
-
-
-def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
-  """Returns `root`'s copy of `tree` on every rank (host-level; call outside `jax.jit`).
-
-  Use it once at start-up so every replica begins from identical parameters and optimizer
-  state. Every rank passes a tree of the same structure, shapes and dtypes (e.g. parameters
-  initialised from any seed); otherwise a `ValueError` naming the first difference is raised
-  on every rank and nothing is transferred.
-
-  Args:
-    tree: pytree of arrays (jax or numpy) or scalars.
-    comm: the `Communicator`.
-    root: the rank whose values everyone receives.
-
-  Returns:
-    A pytree like `tree`; jax arrays come back as jax arrays, everything else as numpy.
-
-  Example:
-    >>> comm = mnjax.create_communicator("flat")
-    >>> params = model.init(jax.random.key(comm.rank), x)   # different on every rank...
-    >>> params = mnjax.broadcast(params, comm, root=0)      # ...now identical
-  """
-  check_communicator(comm, "broadcast")
-  if not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
-    raise ValueError(
-        f"broadcast: root must be a rank in [0, {comm.size}), got {root!r}; pass root=0"
-        " to broadcast from the first rank."
-    )
-  if comm.size == 1:
-    return tree
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  arrays = [np.asarray(leaf) for leaf in leaves]
-  mpi = comm.mpi_comm
-
-  mine = _signature(tree, arrays)
-  theirs = mpi.bcast(mine, root=root)
-  mismatch = mpi.allreduce(int(mine != theirs), op=MPI.MAX)
-  if mismatch:
-    raise ValueError(_describe_mismatch(mpi, mine, root))
-
-  out: list[Any] = list(arrays)
-  # Host transfers move raw bytes, so every numpy dtype travels as itself.
-  for group in _groups([a.dtype for a in arrays], key=lambda dtype: dtype):
-    buf = (
-        np.concatenate([arrays[i].ravel() for i in group.positions])
-        if comm.rank == root
-        else np.empty(sum(arrays[i].size for i in group.positions), group.wire_dtype)
-    )
-    mpi.Bcast(buf.view(np.uint8), root=root)  # raw bytes: also bfloat16, bool, ...
-    offset = 0
-    for i in group.positions:
-      out[i] = buf[offset:offset + arrays[i].size].reshape(arrays[i].shape)
-      offset += arrays[i].size
-  out = [jnp.asarray(o) if isinstance(leaf, jax.Array) else o for o, leaf in zip(out, leaves)]
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _describe_mismatch(mpi: MPI.Intracomm, mine: tuple, root: int) -> str:
-  """The same message on every rank: which ranks differ from the root, at which leaf."""
-  everyone = mpi.allgather(mine)
-  ref = everyone[root]
-  details = []
-  for rank, sig in enumerate(everyone):
-    if sig == ref:
-      continue
-    if len(sig) != len(ref):
-      details.append(f"rank {rank} has {len(sig)} leaves, rank {root} has {len(ref)}")
-    diff = next(((s, r) for s, r in zip(sig, ref) if s != r), None)
-    if diff is not None:
-      (path, shape, dtype), (rpath, rshape, rdtype) = diff
-      details.append(
-          f"rank {rank} leaf {path} {shape} {dtype} vs rank {root} leaf {rpath}"
-          f" {rshape} {rdtype}"
-      )
-  return (
-      "broadcast: every rank must pass a tree with the same structure, shapes and dtypes"
-      f" as root rank {root}; differences: " + "; ".join(details) + ". Build the tree the"
-      " same way on every rank (the same model and input shapes) before broadcasting."
-  )

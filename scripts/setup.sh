@@ -114,6 +114,9 @@ spec="$repo[test"
 spec="$spec]"
 "${pip[@]}" install -e "$spec"
 
+# mnjax's MPI handlers for XLA:CPU (mnjax/native): compiled with the same MPI compiler
+# wrapper; rebuilt automatically on first use whenever the source is newer.
+PATH="$venv/bin:$PATH" "$venv/bin/python" -m mnjax.native >/dev/null
 "$venv/bin/python" -c "import mnjax, mpi4jax" >/dev/null
 echo "$stamp" > "$venv/.mnjax-stamp"
 echo "setup.sh: ready ($venv)" >&2

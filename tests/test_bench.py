@@ -7,6 +7,8 @@ import sys
 
 from launch import REPO
 
+from mnjax.bench.allreduce import SWEEP
+
 
 def test_step_benchmark_smoke(tmp_path):
   out = tmp_path / "step.json"
@@ -19,7 +21,9 @@ def test_step_benchmark_smoke(tmp_path):
   data = json.loads(out.read_text())
   assert set(data["size1"]["seconds_per_step"]) == {"plain_optax", "mnjax_size1"}
   assert data["multi"]["ranks"] == 2
-  assert set(data["multi"]["images_per_second"]) == {"no_communication", "allreduce", "naive_mpi4jax"}
+  assert set(data["multi"]["images_per_second"]) == {
+      "no_communication", "allreduce", "allreduce_bf16_wire", "allreduce_buckets_64kB",
+      "naive_mpi4jax"}
   assert all(v > 0 for v in data["multi"]["images_per_second"].values())
   assert "efficiency" in result.stdout
 
@@ -27,7 +31,7 @@ def test_step_benchmark_smoke(tmp_path):
 def test_unknown_benchmark_is_a_clear_error():
   result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode != 0 and "usage: python -m mnjax.bench {step, kinds}" in result.stderr
+  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds}" in result.stderr
 
 
 def test_kinds_benchmark_smoke(tmp_path):
@@ -43,3 +47,20 @@ def test_kinds_benchmark_smoke(tmp_path):
   assert set(data["mpi"]["reduce_us"]) == {"local_only", "hierarchical", "two_dimensional"}
   assert set(data["xla"]["reduce_us"]) == {"local_only", "xla"}
   assert all(v > 0 for group in data.values() for v in group["step_ms"].values())
+
+
+def test_allreduce_benchmark_smoke(tmp_path):
+  out = tmp_path / "allreduce.json"
+  result = subprocess.run(
+      [sys.executable, "-m", "mnjax.bench", "allreduce", "--max_bytes", "1024", "--rounds", "1",
+       "--seconds", "0.001", "--out", str(out)],
+      cwd=REPO, capture_output=True, text=True, timeout=600,
+  )
+  assert result.returncode == 0, result.stdout + result.stderr
+  data = json.loads(out.read_text())
+  sweep = data["mpi"]["sweep"]
+  assert [row["bytes"] for row in sweep] == [4, 64, 1024]
+  assert all(set(row["seconds"]) == set(SWEEP) for row in sweep)
+  assert [row["bytes"] for row in data["psum"]["sweep"]] == [4, 64, 1024]
+  assert len(data["mpi"]["resnet50"]) == 8 and all(v > 0 for v in data["mpi"]["resnet50"].values())
+  assert "ResNet-50 gradient (161 leaves" in result.stdout

@@ -1,8 +1,12 @@
-"""``python -m mnjax.bench {step,kinds} [--options]``; ``--help`` per benchmark."""
+"""``python -m mnjax.bench {allreduce,step,kinds} [--options]``; ``--help`` per benchmark."""
 
 import sys
 
-BENCHMARKS = {"step": "mnjax.bench.step", "kinds": "mnjax.bench.kinds"}
+BENCHMARKS = {
+    "allreduce": "mnjax.bench.allreduce",
+    "step": "mnjax.bench.step",
+    "kinds": "mnjax.bench.kinds",
+}
 
 
 def main(argv: list[str]) -> None:

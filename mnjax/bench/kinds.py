@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -134,18 +131,11 @@ def main(argv):
     if result is not None:
       print(json.dumps(result))
     return
-  mpirun = Path(sys.executable).with_name("mpirun")
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_"))}
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-  results = {}
-  for group in GROUPS:
-    cmd = [str(mpirun if mpirun.exists() else "mpirun"), "--bind-to", "core", "-n",
-           str(args.ranks), sys.executable, "-m", "mnjax.bench", "kinds", *argv,
-           "--worker", group]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    if out.returncode != 0:
-      sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    results[group] = json.loads(out.stdout.strip().splitlines()[-1])
+  from mnjax.bench.launch import relaunch
+
+  env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
+  results = {group: relaunch("kinds", [*argv, "--worker", group], ranks=args.ranks, env=env)
+             for group in GROUPS}
   first = results["mpi"]
   print(f"{first['processes']} processes x {first['devices_per_process']} devices,"
         f" {first['batch_per_device']} images per device")

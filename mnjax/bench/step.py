@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +37,7 @@ import optax
 from mpi4py import MPI
 
 import mnjax
+from mnjax.bench.launch import relaunch
 from mnjax.classifier import create_train_state, train_step
 from mnjax.models import SmallCNN
 
@@ -116,6 +115,10 @@ def communication_efficiency(args) -> dict:
       {
           "no_communication": optax.adam(1e-3),
           "allreduce": optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3)),
+          "allreduce_bf16_wire": optax.chain(
+              mnjax.allreduce_gradients(comm, wire_dtype=jnp.bfloat16), optax.adam(1e-3)),
+          "allreduce_buckets_64kB": optax.chain(
+              mnjax.allreduce_gradients(comm, bucket_bytes=64 << 10), optax.adam(1e-3)),
           "naive_mpi4jax": optax.chain(naive_mpi4jax_allreduce(comm), optax.adam(1e-3)),
       },
       comm,
@@ -127,19 +130,10 @@ def communication_efficiency(args) -> dict:
       "seconds_per_step": sec,
       "images_per_second": {k: images / v for k, v in sec.items()},
       "efficiency": sec["no_communication"] / sec["allreduce"],
+      "efficiency_bf16_wire": sec["no_communication"] / sec["allreduce_bf16_wire"],
+      "efficiency_buckets_64kB": sec["no_communication"] / sec["allreduce_buckets_64kB"],
       "efficiency_naive_mpi4jax": sec["no_communication"] / sec["naive_mpi4jax"],
   }
-
-
-def _launch_workers(args, argv: list[str]) -> dict:
-  mpirun = Path(sys.executable).with_name("mpirun")
-  cmd = [str(mpirun if mpirun.exists() else "mpirun"), "--bind-to", args.bind,
-         "-n", str(args.ranks), sys.executable, "-m", "mnjax.bench", "step", *argv, "--worker"]
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_"))}
-  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-  if out.returncode != 0:
-    raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str]) -> None:
@@ -169,12 +163,15 @@ def main(argv: list[str]) -> None:
         f" ratio {s1['ratio_mnjax_over_plain']:.3f} (goal <= 1.05)")
   if args.ranks:
     worker_argv = [a for a in argv if a != "--worker"]
-    results["multi"] = multi = _launch_workers(args, worker_argv)
+    results["multi"] = multi = relaunch("step", [*worker_argv, "--worker"], ranks=args.ranks,
+                                         bind=args.bind)
     ips = multi["images_per_second"]
     print(f"{multi['ranks']} ranks: no communication {ips['no_communication']:,.0f} img/s,"
           f" with allreduce {ips['allreduce']:,.0f} img/s, efficiency"
           f" {multi['efficiency']:.3f} (goal >= 0.95); naive mpi4jax"
-          f" {ips['naive_mpi4jax']:,.0f} img/s, efficiency {multi['efficiency_naive_mpi4jax']:.3f}")
+          f" {ips['naive_mpi4jax']:,.0f} img/s, efficiency {multi['efficiency_naive_mpi4jax']:.3f};"
+          f" bf16 wire {multi['efficiency_bf16_wire']:.3f}; 64 kB buckets"
+          f" {multi['efficiency_buckets_64kB']:.3f}")
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(results, indent=2))
   print(f"results in {args.out}")

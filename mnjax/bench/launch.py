@@ -1,0 +1,55 @@
+"""Re-launching a benchmark under mpirun, and the workload shapes benchmarks share."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["relaunch", "resnet50_shapes"]
+
+
+def relaunch(benchmark: str, argv: list[str], *, ranks: int, bind: str = "core",
+             env: dict[str, str] | None = None, timeout: float = 1800) -> dict:
+  """Runs ``mpirun -n ranks python -m mnjax.bench <benchmark> <argv>``; rank 0's last JSON line.
+
+  Ranks are bound to cores (``--bind-to core``) as on a cluster: unbound, two ranks on two
+  cores steal time from each other while one waits in MPI (measured in mnjax.bench.step).
+
+  Example:
+    >>> relaunch("step", ["--worker"], ranks=2)["efficiency"]
+    0.97...
+  """
+  mpirun = Path(sys.executable).with_name("mpirun")
+  cmd = [str(mpirun if mpirun.exists() else "mpirun"), "--bind-to", bind, "-n", str(ranks),
+         sys.executable, "-m", "mnjax.bench", benchmark, *argv]
+  full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_"))}
+  full_env.update(env or {})
+  out = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+  if out.returncode != 0:
+    raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def resnet50_shapes() -> list[tuple[int, ...]]:
+  """ResNet-50's 161 parameter shapes (flax layout: HWIO kernels), 25,557,032 floats.
+
+  Stem conv + BN; bottleneck stages of (3, 4, 6, 3) blocks with widths (64, 128, 256, 512)
+  and expansion 4, a projection conv + BN on each stage's first block; final dense layer.
+
+  Example:
+    >>> len(resnet50_shapes()), sum(math.prod(s) for s in resnet50_shapes())
+    (161, 25557032)
+  """
+  shapes: list[tuple[int, ...]] = [(7, 7, 3, 64), (64,), (64,)]
+  cin = 64
+  for blocks, width in zip((3, 4, 6, 3), (64, 128, 256, 512)):
+    for b in range(blocks):
+      for kernel, i, o in ((1, cin, width), (3, width, width), (1, width, 4 * width)):
+        shapes += [(kernel, kernel, i, o), (o,), (o,)]
+      if b == 0:
+        shapes += [(1, 1, cin, 4 * width), (4 * width,), (4 * width,)]
+      cin = 4 * width
+  return shapes + [(2048, 1000), (1000,)]
