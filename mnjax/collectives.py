@@ -142,8 +142,11 @@ def plan_buckets(leaves: list[Any], *, wire_dtype: np.dtype | None = None,
   return buckets
 
 
-def pack(leaves: list[Any], dtype: Any) -> jax.Array:
+def pack(leaves: list[Any], dtype: Any, scale: float | None = None) -> jax.Array:
   """Leaves raveled and cast to `dtype`, laid end to end in one 1-D buffer (traceable).
+
+  With `scale`, each leaf is multiplied by it in float32 (or wider) before the cast, in the
+  same pass.
 
   Written as a chain of `dynamic_update_slice` into a zero buffer rather than
   `jnp.concatenate`: XLA:CPU emits a many-operand concatenate as one fused loop that selects
@@ -154,19 +157,27 @@ def pack(leaves: list[Any], dtype: Any) -> jax.Array:
     >>> pack([jnp.ones((2, 2)), jnp.zeros(3, jnp.bfloat16)], jnp.float32).shape
     (7,)
   """
+  def flat(leaf):
+    x = jnp.ravel(leaf)
+    if scale is not None:
+      x = x.astype(jnp.promote_types(x.dtype, jnp.float32)) * scale
+    return x.astype(dtype)
+
   if len(leaves) == 1:
-    return jnp.ravel(leaves[0]).astype(dtype)
+    return flat(leaves[0])
   total = sum(leaf.size for leaf in leaves)
   buf = jnp.zeros((total,), dtype)
   offset = 0
   for leaf in leaves:
-    buf = jax.lax.dynamic_update_slice(buf, jnp.ravel(leaf).astype(dtype), (offset,))
+    buf = jax.lax.dynamic_update_slice(buf, flat(leaf), (offset,))
     offset += leaf.size
   return buf
 
 
-def unpack(buf: jax.Array, like: list[Any]) -> list[jax.Array]:
+def unpack(buf: jax.Array, like: list[Any], post=None) -> list[jax.Array]:
   """Inverse of `pack`: slices of `buf` with the shapes and dtypes of the leaves in `like`.
+
+  `post`, if given, is applied to each slice before the cast (it fuses with the slice).
 
   Example:
     >>> leaves = [jnp.ones((2, 2)), jnp.zeros(3)]
@@ -175,7 +186,8 @@ def unpack(buf: jax.Array, like: list[Any]) -> list[jax.Array]:
   """
   out, offset = [], 0
   for leaf in like:
-    out.append(buf[offset:offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+    piece = buf[offset:offset + leaf.size].reshape(leaf.shape)
+    out.append((piece if post is None else post(piece)).astype(leaf.dtype))
     offset += leaf.size
   return out
 
@@ -218,20 +230,24 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   out: list[Any] = [None] * len(leaves)
   replicas = comm.num_replicas
   previous = None
+  # With a 16-bit wire, values are divided by the replica count *before* they travel (so
+  # what travels sums to the mean: fp16's range), and where the whole reduction is the
+  # 16-bit exchange (no float32 local psum first) leaves are packed straight into the wire
+  # dtype: one pass over the gradients instead of two.
+  half_pack = wire_dtype is not None and comm.kind in ("flat", "single_node", "xla")
   for bucket in plan_buckets(leaves, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes):
     members = [leaves[i] for i in bucket.positions]
-    buf = pack(members, bucket.dtype)
-    if wire_dtype is not None:  # pre-scale: what travels sums to the mean (fp16 range)
-      buf = buf * jnp.asarray(1.0 / replicas, bucket.dtype)
+    if wire_dtype is None:
+      buf = pack(members, bucket.dtype)
+      post = (lambda x: x / jnp.asarray(replicas, x.dtype)) if mean else None
+    else:
+      buf = pack(members, wire_dtype if half_pack else bucket.dtype, scale=1.0 / replicas)
+      post = None if mean else (lambda x: x.astype(jnp.float32) * replicas)
     # `after`: each collective waits for the previous one, so every rank issues them in one
     # order (XLA:CPU would otherwise run independent custom calls in any order).
     buf = _REDUCERS[comm.kind](buf, comm, wire_dtype, previous)
     previous = buf
-    if wire_dtype is None and mean:
-      buf = buf / jnp.asarray(replicas, bucket.dtype)
-    elif wire_dtype is not None and not mean:
-      buf = buf * jnp.asarray(replicas, bucket.dtype)
-    for i, leaf in zip(bucket.positions, unpack(buf, members)):
+    for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
       out[i] = leaf
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -244,11 +260,13 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
 
 
 def _mpi_sum(buf, mpi_comm, wire_dtype, after):
+  """Sum over `mpi_comm`, returned in `buf`'s dtype."""
   if wire_dtype is None:
     return mpi_ops.allreduce_sum(buf, mpi_comm, after)
-  return wire.half_allreduce(buf, wire_dtype, mpi_comm.Get_size(),
-                             lambda x: mpi_ops.alltoall(x, mpi_comm, after),
-                             lambda x: mpi_ops.allgather(x, mpi_comm))  # after the alltoall
+  summed = wire.half_allreduce(buf, wire_dtype, mpi_comm.Get_size(),
+                               lambda x: mpi_ops.alltoall(x, mpi_comm, after),
+                               lambda x: mpi_ops.allgather(x, mpi_comm))  # after the alltoall
+  return summed.astype(buf.dtype)
 
 
 def _flat(buf, comm, wire_dtype, after):
@@ -261,9 +279,10 @@ def _axis(buf, comm, wire_dtype, after):
   if wire_dtype is None:
     return jax.lax.psum(buf, comm.axis_name)
   axis = comm.axis_name
-  return wire.half_allreduce(buf, wire_dtype, comm.num_replicas,
-                             lambda x: jax.lax.all_to_all(x, axis, 0, 0),
-                             lambda x: jax.lax.all_gather(x, axis))
+  summed = wire.half_allreduce(buf, wire_dtype, comm.num_replicas,
+                               lambda x: jax.lax.all_to_all(x, axis, 0, 0),
+                               lambda x: jax.lax.all_gather(x, axis))
+  return summed.astype(buf.dtype)
 
 
 def _hierarchical(buf, comm, wire_dtype, after):

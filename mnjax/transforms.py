@@ -47,7 +47,7 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
     wire_dtype: None (full precision) or ``jnp.bfloat16`` / ``jnp.float16``: ChainerMN's
       ``allreduce_grad_dtype``. Gradients cross processes in 16 bits (half the bytes) and
       are summed in float32; the error bound is in `mnjax.wire`. bfloat16 keeps float32's
-      range; float16 is 8x more precise but gives Inf where one replica's gradient exceeds
+      range; float16 is 8x more precise but gives Inf where the mean gradient exceeds
       65504 (never a silent finite value).
     bucket_bytes: None (one buffer per dtype: fewest calls) or the largest buffer in wire
       bytes, like PyTorch DDP's ``bucket_cap_mb`` (``python -m mnjax.bench allreduce``

@@ -4,12 +4,14 @@ MPI has no 16-bit float type (mpi4jax refuses ``float16``/``bfloat16``), and sum
 bits would lose more than it needs to. So a half-precision allreduce is built from moves that
 carry raw 16-bit words, with the arithmetic in float32:
 
-1. scale the float32 buffer by ``1/replicas`` (so the *sum* of what travels is the mean: fp16's
-   range, max 65504, is then exceeded only where a single replica's gradient already
-   exceeds it), round to the wire dtype, pad to a multiple of ``p`` and view as ``uint16``;
+1. scale by ``1/replicas`` in float32 (so the *sum* of what travels is the mean: fp16's
+   range, max 65504, is then exceeded only where the mean does, or one replica's gradient
+   exceeds ``65504 p``; a plain fp16 sum would overflow at ``65504`` summed) and round to
+   the wire dtype, in the same pass that packs the gradients (`mnjax.collectives.pack`);
 2. reduce-scatter as an **alltoall**: chunk ``j`` goes to rank ``j``; each rank receives the
    ``p`` copies of its own chunk and sums them **in float32**;
-3. round the summed chunk to the wire dtype and **allgather** it; widen back to float32.
+3. round the summed chunk to the wire dtype and **allgather** it; widen back to float32
+   while unpacking. MPI moves the 16-bit values as raw ``uint16`` words.
 
 Each rank sends and receives ``2 (p-1)/p`` of the buffer, like a ring allreduce, in half the
 bytes. NaN and Inf stay NaN and Inf (rounding, float32 sums and widening never make them
@@ -94,16 +96,17 @@ def half_allreduce(
     alltoall: Callable[[jax.Array], jax.Array],
     allgather: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
-  """Sum over `parts` ranks of a float32 1-D `buf`, moved as `wire_dtype` (traceable).
+  """Sum over `parts` ranks of a 1-D float `buf`, moved and returned as `wire_dtype` (traceable).
 
   `alltoall` maps a ``(parts, c)`` array of `wire_dtype` to the ``(parts, c)`` array of
   chunks received from each rank; `allgather` maps ``(c,)`` to ``(parts, c)``. They move
   raw 16-bit words. The caller scales `buf` beforehand (see the module docstring).
 
   Written for XLA:CPU's memory traffic (each pass over a 102 MB buffer costs ~5-10 ms
-  here): the rounding fuses with the caller's scaling, the float32 sum is an elementwise
-  chain of row adds (a ``jnp.sum`` over the leading axis compiled to a reduction 9x
-  slower), and padding is skipped when `parts` divides the length.
+  here): callers pack straight into the wire dtype when they can (the cast is then a
+  no-op) and widen while unpacking; the float32 sum is an elementwise chain of row adds (a
+  ``jnp.sum`` over the leading axis compiled to a reduction 5x slower); padding is skipped
+  when `parts` divides the length.
 
   Example:
     >>> half_allreduce(buf, jnp.bfloat16, comm.size,
@@ -118,4 +121,4 @@ def half_allreduce(
   for row in range(1, parts):
     total = total + received[row].astype(jnp.float32)
   gathered = allgather(total.astype(wire_dtype)).reshape(-1)
-  return (gathered[:n] if pad else gathered).astype(jnp.float32)
+  return gathered[:n] if pad else gathered
