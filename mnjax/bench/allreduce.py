@@ -16,6 +16,9 @@ others: it reroutes every CPU collective). Methods, on one float32 buffer of eac
 * ``mnjax_bf16``, ``mnjax_fp16``: the same with ``wire_dtype`` (float32 in and out);
 * ``jax_psum``: ``jax.lax.psum`` over a global mesh (gloo on CPU).
 
+``--tuned_malloc`` runs the workers with `TUNED_MALLOC` (glibc keeps buffers above 32 MB in
+one heap instead of a fresh mmap per allocation; see docs/design/allreduce.md).
+
 Time per call = the slowest rank's, median over rounds (methods alternate inside a round).
 Bus bandwidth = 2 (p-1)/p x float32 bytes / time (NCCL's convention, so half-precision
 methods show their speed-up as bandwidth). Ratios are raw_mpi time / method time (> 1:
@@ -42,6 +45,10 @@ SIZES = (4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20,
 SWEEP = ("raw_mpi", "raw_mpi_in_place", "mpi4jax", "mnjax_fp32", "mnjax_fp32_copy",
          "mnjax_bf16", "mnjax_fp16")
 BUCKETS_MB = (1, 4, 25)
+# glibc: one arena, no mmap below 1 GiB, no trimming, so large buffers are reused, not
+# page-faulted afresh on every call.
+TUNED_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+                "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
 def _parse(argv):
@@ -51,6 +58,7 @@ def _parse(argv):
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--seconds", type=float, default=0.05, help="target seconds per timed round")
   p.add_argument("--no_psum", action="store_true", help="skip the jax.distributed launch")
+  p.add_argument("--tuned_malloc", action="store_true", help="workers run with TUNED_MALLOC")
   p.add_argument("--out", default="runs/bench/allreduce.json")
   p.add_argument("--worker", choices=("mpi", "psum"), help=argparse.SUPPRESS)
   return p.parse_args(argv)
@@ -239,10 +247,15 @@ def main(argv):
     return
   from mnjax.bench.launch import relaunch
 
-  results = {"benchmark": "allreduce", "launch": f"mpirun --bind-to core -n {args.ranks}"}
-  results["mpi"] = relaunch("allreduce", [*argv, "--worker", "mpi"], ranks=args.ranks)
+  import os
+
+  env = TUNED_MALLOC if args.tuned_malloc else {}
+  results = {"benchmark": "allreduce", "launch": f"mpirun --bind-to core -n {args.ranks}",
+             "malloc_env": {k: os.environ.get(k) for k in TUNED_MALLOC} | env}
+  results["mpi"] = relaunch("allreduce", [*argv, "--worker", "mpi"], ranks=args.ranks, env=env)
   if not args.no_psum:
-    results["psum"] = relaunch("allreduce", [*argv, "--worker", "psum"], ranks=args.ranks)
+    results["psum"] = relaunch("allreduce", [*argv, "--worker", "psum"], ranks=args.ranks,
+                               env=env)
   _report(results)
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(results, indent=2))
