@@ -14,6 +14,8 @@ others: it reroutes every CPU collective). Methods, on one float32 buffer of eac
   gradient is inside a train step (``mnjax_fp32_copy``: input kept alive, so XLA copies it
   into a fresh buffer first — what a standalone call without donation pays);
 * ``mnjax_bf16``, ``mnjax_fp16``: the same with ``wire_dtype`` (float32 in and out);
+* ``bf16_exchange_only``: just the alltoall + allgather of those 16-bit buffers, without the
+  float32 -> bfloat16 -> float32 passes (what the wire itself costs);
 * ``jax_psum``: ``jax.lax.psum`` over a global mesh (gloo on CPU).
 
 ``--tuned_malloc`` runs the workers with `TUNED_MALLOC` (glibc keeps buffers above 32 MB in
@@ -43,7 +45,7 @@ RESNET50_FP32 = 25_557_032 * 4
 SIZES = (4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20,
          RESNET50_FP32 // 2, 64 << 20, RESNET50_FP32, 128 << 20)
 SWEEP = ("raw_mpi", "raw_mpi_in_place", "mpi4jax", "mnjax_fp32", "mnjax_fp32_copy",
-         "mnjax_bf16", "mnjax_fp16")
+         "mnjax_bf16", "mnjax_fp16", "bf16_exchange_only")
 BUCKETS_MB = (1, 4, 25)
 # glibc: one arena, no mmap below 1 GiB, no trimming, so large buffers are reused, not
 # page-faulted afresh on every call.
@@ -97,6 +99,7 @@ def _sweep_fns(n: int, comm) -> tuple[dict, dict]:
   import numpy as np
   from mpi4py import MPI
 
+  from mnjax import mpi_ops
   from mnjax.collectives import allreduce_tree
 
   mpi, host = comm.device_comm, comm.mpi_comm
@@ -121,11 +124,15 @@ def _sweep_fns(n: int, comm) -> tuple[dict, dict]:
       "mnjax_fp32_copy": lambda _, f=jax.jit(tree_fn()), kept=jnp.ones((n,)): f(kept),
       "mnjax_bf16": jax.jit(tree_fn(wire_dtype=jnp.bfloat16), donate_argnums=0),
       "mnjax_fp16": jax.jit(tree_fn(wire_dtype=jnp.float16), donate_argnums=0),
+      "bf16_exchange_only": jax.jit(
+          lambda x: mpi_ops.allgather(mpi_ops.alltoall(x, mpi)[0], mpi), donate_argnums=0),
   }
   # Small values: repeated sums stay finite for the whole run (Inf would be as fast, but
   # keep the arithmetic ordinary).
   state = {name: jnp.full((n,), 1e-30, jnp.float32) for name in fns}
   state["raw_mpi"] = state["raw_mpi_in_place"] = state["mnjax_fp32_copy"] = None
+  parts = comm.size
+  state["bf16_exchange_only"] = jnp.zeros((parts, -(-n // parts)), jnp.bfloat16)
   return fns, state
 
 
