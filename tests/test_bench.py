@@ -10,22 +10,26 @@ from launch import REPO
 from mnjax.bench.allreduce import SWEEP
 
 
-def test_step_benchmark_smoke(tmp_path):
-  out = tmp_path / "step.json"
+def run_bench(name, args, tmp_path):
+  """Runs `python -m mnjax.bench <name> <args> --out ...`; returns (stdout, JSON results)."""
+  out = tmp_path / f"{name}.json"
   result = subprocess.run(
-      [sys.executable, "-m", "mnjax.bench", "step", "--rounds", "1", "--steps", "2",
-       "--out", str(out)],
+      [sys.executable, "-m", "mnjax.bench", name, *args, "--out", str(out)],
       cwd=REPO, capture_output=True, text=True, timeout=600,
   )
   assert result.returncode == 0, result.stdout + result.stderr
-  data = json.loads(out.read_text())
+  return result.stdout, json.loads(out.read_text())
+
+
+def test_step_benchmark_smoke(tmp_path):
+  stdout, data = run_bench("step", ["--rounds", "1", "--steps", "2"], tmp_path)
   assert set(data["size1"]["seconds_per_step"]) == {"plain_optax", "mnjax_size1"}
   assert data["multi"]["ranks"] == 2
   assert set(data["multi"]["images_per_second"]) == {
       "no_communication", "allreduce", "allreduce_bf16_wire", "allreduce_buckets_64kB",
       "naive_mpi4jax"}
   assert all(v > 0 for v in data["multi"]["images_per_second"].values())
-  assert "efficiency" in result.stdout
+  assert "efficiency" in stdout
 
 
 def test_unknown_benchmark_is_a_clear_error():
@@ -35,14 +39,7 @@ def test_unknown_benchmark_is_a_clear_error():
 
 
 def test_kinds_benchmark_smoke(tmp_path):
-  out = tmp_path / "kinds.json"
-  result = subprocess.run(
-      [sys.executable, "-m", "mnjax.bench", "kinds", "--rounds", "1", "--steps", "2",
-       "--big_calls", "1", "--out", str(out)],
-      cwd=REPO, capture_output=True, text=True, timeout=600,
-  )
-  assert result.returncode == 0, result.stdout + result.stderr
-  data = json.loads(out.read_text())
+  _, data = run_bench("kinds", ["--rounds", "1", "--steps", "2", "--big_calls", "1"], tmp_path)
   assert (data["mpi"]["processes"], data["mpi"]["devices_per_process"]) == (2, 2)
   assert set(data["mpi"]["reduce_us"]) == {"local_only", "hierarchical", "two_dimensional"}
   assert set(data["xla"]["reduce_us"]) == {"local_only", "xla"}
@@ -50,17 +47,11 @@ def test_kinds_benchmark_smoke(tmp_path):
 
 
 def test_allreduce_benchmark_smoke(tmp_path):
-  out = tmp_path / "allreduce.json"
-  result = subprocess.run(
-      [sys.executable, "-m", "mnjax.bench", "allreduce", "--max_bytes", "1024", "--rounds", "1",
-       "--seconds", "0.001", "--out", str(out)],
-      cwd=REPO, capture_output=True, text=True, timeout=600,
-  )
-  assert result.returncode == 0, result.stdout + result.stderr
-  data = json.loads(out.read_text())
+  stdout, data = run_bench(
+      "allreduce", ["--max_bytes", "1024", "--rounds", "1", "--seconds", "0.001"], tmp_path)
   sweep = data["mpi"]["sweep"]
   assert [row["bytes"] for row in sweep] == [4, 64, 1024]
   assert all(set(row["seconds"]) == set(SWEEP) for row in sweep)
   assert [row["bytes"] for row in data["psum"]["sweep"]] == [4, 64, 1024]
   assert len(data["mpi"]["resnet50"]) == 8 and all(v > 0 for v in data["mpi"]["resnet50"].values())
-  assert "ResNet-50 gradient (161 leaves" in result.stdout
+  assert "ResNet-50 gradient (161 leaves" in stdout

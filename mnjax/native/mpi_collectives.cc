@@ -77,29 +77,41 @@ ffi::Error Allreduce(ffi::AnyBuffer operand, ffi::AnyBuffer after,
   return ffi::Error::Success();
 }
 
-// `count` items go to (and come from) each rank.
-ffi::Error Alltoall(ffi::AnyBuffer operand, ffi::AnyBuffer after,
-                    ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
-                    int64_t dtype) {
+// MPI_Alltoall and MPI_Allgather share one signature: `count` items to (and from) each rank.
+using PairwiseCall = int (*)(const void*, int, MPI_Datatype, void*, int, MPI_Datatype,
+                             MPI_Comm);
+
+template <PairwiseCall kCall>
+ffi::Error Pairwise(const char* name, ffi::AnyBuffer operand, ffi::Result<ffi::AnyBuffer> result,
+                    int64_t count, int64_t comm, int64_t dtype) {
   if (auto e = CheckCount(count); e.failure()) return e;
   MPI_Comm c = FromInt<MPI_Comm>(comm);
   MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
-  AbortOnError(MPI_Alltoall(operand.untyped_data(), static_cast<int>(count), t,
-                            result->untyped_data(), static_cast<int>(count), t, c),
-               c, "MPI_Alltoall");
+  AbortOnError(kCall(operand.untyped_data(), static_cast<int>(count), t, result->untyped_data(),
+                     static_cast<int>(count), t, c),
+               c, name);
   return ffi::Error::Success();
+}
+
+ffi::Error Alltoall(ffi::AnyBuffer operand, ffi::AnyBuffer after,
+                    ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
+                    int64_t dtype) {
+  return Pairwise<MPI_Alltoall>("MPI_Alltoall", operand, result, count, comm, dtype);
 }
 
 ffi::Error Allgather(ffi::AnyBuffer operand, ffi::AnyBuffer after,
                      ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
                      int64_t dtype) {
-  if (auto e = CheckCount(count); e.failure()) return e;
-  MPI_Comm c = FromInt<MPI_Comm>(comm);
-  MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
-  AbortOnError(MPI_Allgather(operand.untyped_data(), static_cast<int>(count), t,
-                             result->untyped_data(), static_cast<int>(count), t, c),
-               c, "MPI_Allgather");
-  return ffi::Error::Success();
+  return Pairwise<MPI_Allgather>("MPI_Allgather", operand, result, count, comm, dtype);
+}
+
+// (operand, after) -> result, with the attributes every handler shares.
+auto Binding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("count");
 }
 
 }  // namespace
@@ -107,29 +119,9 @@ ffi::Error Allgather(ffi::AnyBuffer operand, ffi::AnyBuffer after,
 extern "C" int64_t mnjax_allreduce_calls() { return completed_allreduces.load(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce, Allreduce,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("count")
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("dtype"));
-
+                              Binding().Attr<int64_t>("op").Attr<int64_t>("comm").Attr<int64_t>(
+                                  "dtype"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_alltoall, Alltoall,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("count")
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("dtype"));
-
+                              Binding().Attr<int64_t>("comm").Attr<int64_t>("dtype"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allgather, Allgather,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("count")
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("dtype"));
+                              Binding().Attr<int64_t>("comm").Attr<int64_t>("dtype"));
