@@ -33,12 +33,13 @@ __all__ = ["allreduce_gradients"]
 
 
 def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
-                        bucket_bytes: int | None = None) -> optax.GradientTransformation:
+                        bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES
+                        ) -> optax.GradientTransformation:
   """Averages (or sums) gradients over all replicas: ChainerMN's multi-node optimizer as optax.
 
-  The gradient pytree is packed into one contiguous buffer per dtype and reduced with one
-  MPI allreduce each, not one call per leaf. Half-precision leaves travel as float32 unless
-  a half-precision `wire_dtype` is asked for.
+  The gradient pytree is packed into contiguous buffers (buckets of at most 4 MiB per dtype
+  by default) and reduced with one MPI allreduce each, not one call per leaf.
+  Half-precision leaves travel as float32 unless a half-precision `wire_dtype` is asked for.
 
   Args:
     comm: the `Communicator` from `mnjax.create_communicator`.
@@ -49,9 +50,11 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
       are summed in float32; the error bound is in `mnjax.wire`. bfloat16 keeps float32's
       range; float16 is 8x more precise but gives Inf where the mean gradient exceeds
       65504 (never a silent finite value).
-    bucket_bytes: None (one buffer per dtype: fewest calls) or the largest buffer in wire
-      bytes, like PyTorch DDP's ``bucket_cap_mb`` (``python -m mnjax.bench allreduce``
-      measures where it helps).
+    bucket_bytes: the largest fused buffer in wire bytes, like PyTorch DDP's
+      ``bucket_cap_mb`` and Horovod's fusion threshold; a larger leaf travels alone,
+      unpacked. Default 4 MiB (`mnjax.collectives.DEFAULT_BUCKET_BYTES`, chosen by
+      ``python -m mnjax.bench allreduce``); None fuses each dtype into one buffer (fewest
+      calls: ChainerMN's behaviour).
 
   Returns:
     An `optax.GradientTransformation` with `optax.EmptyState`.

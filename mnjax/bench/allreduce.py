@@ -28,7 +28,8 @@ faster than raw MPI).
 
 The second table reduces ResNet-50's 161 real parameter shapes (`launch.resnet50_shapes`):
 one mpi4jax call per leaf, one mnjax call per leaf (``bucket_bytes=1``), buckets of
-several sizes, one fused buffer, and bf16 on the wire.
+several sizes (4 MB is the default), one fused buffer (``bucket_bytes=None``), and bf16 on
+the wire with one buffer and with the default buckets.
 """
 
 from __future__ import annotations
@@ -163,8 +164,9 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
   fns = {"raw_mpi_fused": raw, "mpi4jax_per_leaf": jax.jit(per_leaf_mpi4jax),
          "mnjax_per_leaf": tree_fn(bucket_bytes=1)}
   fns.update({f"mnjax_bucket_{mb}MB": tree_fn(bucket_bytes=mb << 20) for mb in BUCKETS_MB})
-  fns["mnjax_fused"] = tree_fn()
-  fns["mnjax_fused_bf16"] = tree_fn(wire_dtype=jnp.bfloat16)
+  fns["mnjax_fused"] = tree_fn(bucket_bytes=None)
+  fns["mnjax_fused_bf16"] = tree_fn(bucket_bytes=None, wire_dtype=jnp.bfloat16)
+  fns["mnjax_default_bf16"] = tree_fn(wire_dtype=jnp.bfloat16)
   state = {name: [jnp.full(s, 1e-30, jnp.float32) for s in resnet50_shapes()] for name in fns}
   return fns, state
 

@@ -66,6 +66,12 @@ def test_buckets_follow_the_cap_in_reverse_tree_order():
   half = collectives.plan_buckets(leaves[:4], wire_dtype=np.dtype(jnp.bfloat16), bucket_bytes=16)
   assert [b.positions for b in half] == [(3,), (2,), (1, 0)]  # 2-byte wire items
   assert all(b.dtype == np.float32 for b in half)
+  # The default cap: small models stay one buffer; a leaf above 4 MiB travels alone.
+  small = [jnp.ones((64, 64)) for _ in range(10)]
+  assert len(collectives.plan_buckets(small, bucket_bytes=collectives.DEFAULT_BUCKET_BYTES)) == 1
+  big = [jnp.ones(10), jnp.ones(2 << 20), jnp.ones(10)]
+  plan = collectives.plan_buckets(big, bucket_bytes=collectives.DEFAULT_BUCKET_BYTES)
+  assert [b.positions for b in plan] == [(2,), (1,), (0,)]
 
 
 def test_many_buckets_are_issued_in_one_order_on_every_rank(comm):
@@ -84,7 +90,7 @@ def test_many_buckets_are_issued_in_one_order_on_every_rank(comm):
 def test_bucketed_reduction_equals_the_fused_one(comm, bucket_bytes):
   rng = np.random.default_rng(comm.rank)
   tree = {f"l{i}": jnp.asarray(rng.standard_normal((i + 1, 37)), jnp.float32) for i in range(12)}
-  fused = jax.jit(lambda t: collectives.allreduce_tree(t, comm))(tree)
+  fused = jax.jit(lambda t: collectives.allreduce_tree(t, comm, bucket_bytes=None))(tree)
   fn = lambda t: collectives.allreduce_tree(t, comm, bucket_bytes=bucket_bytes)
   bucketed = jax.jit(fn)(tree)
   for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(bucketed)):
