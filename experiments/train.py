@@ -34,6 +34,8 @@ class Config:
 
   dataset: str = "digits"
   comm: str = "flat"
+  wire_dtype: str = "float32"  # or bfloat16 / float16: gradients cross processes in 16 bits
+  bucket_mb: float = 4.0  # largest fused gradient buffer; 0: one buffer per dtype
   epochs: int = 20
   global_batch_size: int = 64
   learning_rate: float = 1e-3
@@ -62,7 +64,10 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
   train = mnjax.datasets.load(config.dataset, "train")
   test = mnjax.datasets.load(config.dataset, "test")
 
-  tx = optax.chain(mnjax.allreduce_gradients(comm), optax.adam(config.learning_rate))
+  allreduce = mnjax.allreduce_gradients(
+      comm, wire_dtype=config.wire_dtype,
+      bucket_bytes=None if config.bucket_mb == 0 else int(config.bucket_mb * 2**20))
+  tx = optax.chain(allreduce, optax.adam(config.learning_rate))
   model = SmallCNN(num_classes=train.num_classes)
   state = create_train_state(model, tx, train.images[:1], jax.random.key(config.seed))
   state = mnjax.broadcast(state, comm, root=0)
