@@ -11,7 +11,8 @@ Run the script with ``mpirun -n 4 python train.py`` (or ``srun``), or without a 
 for a size-1 communicator.
 """
 
-from mnjax import accumulation, collectives, data, datasets, metrics, native, topology, wire, workdir
+from mnjax import (
+    accumulation, collectives, data, datasets, metrics, native, recipes, topology, wire, workdir)
 from mnjax.accumulation import accumulate_gradients
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
 from mnjax.host_broadcast import broadcast
@@ -40,6 +41,7 @@ __all__ = [
     "local_batch_size",
     "metrics",
     "native",
+    "recipes",
     "scatter_dataset",
     "scatter_index",
     "topology",

@@ -34,22 +34,17 @@ def relaunch(benchmark: str, argv: list[str], *, ranks: int, bind: str = "core",
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:
-  """ResNet-50's 161 parameter shapes (flax layout: HWIO kernels), 25,557,032 floats.
-
-  Stem conv + BN; bottleneck stages of (3, 4, 6, 3) blocks with widths (64, 128, 256, 512)
-  and expansion 4, a projection conv + BN on each stage's first block; final dense layer.
+  """ResNet-50's 161 parameter shapes (`mnjax.models.ResNet50`, 1000 classes), 25,557,032 floats.
 
   Example:
     >>> len(resnet50_shapes()), sum(math.prod(s) for s in resnet50_shapes())
     (161, 25557032)
   """
-  shapes: list[tuple[int, ...]] = [(7, 7, 3, 64), (64,), (64,)]
-  cin = 64
-  for blocks, width in zip((3, 4, 6, 3), (64, 128, 256, 512)):
-    for b in range(blocks):
-      for kernel, i, o in ((1, cin, width), (3, width, width), (1, width, 4 * width)):
-        shapes += [(kernel, kernel, i, o), (o,), (o,)]
-      if b == 0:
-        shapes += [(1, 1, cin, 4 * width), (4 * width,), (4 * width,)]
-      cin = 4 * width
-  return shapes + [(2048, 1000), (1000,)]
+  import jax
+  import jax.numpy as jnp
+
+  from mnjax.models import ResNet50
+
+  variables = jax.eval_shape(
+      lambda: ResNet50().init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False))
+  return [leaf.shape for leaf in jax.tree.leaves(variables["params"])]

@@ -1,0 +1,47 @@
+"""The flax models: the reference architectures' exact parameter counts, both stems, and the
+zero-initialised residual branches."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mnjax.models import ResNet18, ResNet50
+
+
+def param_count(model, size):
+  variables = jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False))
+  leaves = jax.tree.leaves(variables["params"])
+  return len(leaves), sum(math.prod(x.shape) for x in leaves)
+
+
+@pytest.mark.parametrize("model, leaves, count", [
+    (ResNet18(), 62, 11_689_512),   # torchvision resnet18
+    (ResNet50(), 161, 25_557_032),  # torchvision resnet50
+    (ResNet18(num_classes=10, stem="cifar"), 62, 11_173_962),
+])
+def test_parameter_counts_match_the_reference_architectures(model, leaves, count):
+  assert param_count(model, 224 if model.stem == "imagenet" else 32) == (leaves, count)
+
+
+def test_cifar_resnet_updates_its_batch_statistics_and_zero_initialises_residual_scales():
+  model = ResNet18(num_classes=10, stem="cifar")
+  x = jax.random.normal(jax.random.key(1), (4, 32, 32, 3))
+  variables = model.init(jax.random.key(0), x, train=False)
+  logits, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+  assert logits.shape == (4, 10) and np.all(np.isfinite(logits))
+  changed = jax.tree.map(lambda a, b: not np.allclose(a, b), variables["batch_stats"],
+                         updates["batch_stats"])
+  assert all(jax.tree.leaves(changed))
+  # Goyal et al.: the last norm scale of every residual block starts at zero.
+  scales = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(variables["params"])[0]
+            if "BatchNorm_1" in jax.tree_util.keystr(path) and "BasicBlock" in jax.tree_util.keystr(path)]
+  assert scales and all(np.all(s == 0) for s in scales)
+
+
+def test_unknown_stem_is_refused():
+  with pytest.raises(ValueError, match="stem must be one of"):
+    ResNet18(stem="tiny").init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
