@@ -12,8 +12,9 @@ for a size-1 communicator.
 """
 
 from mnjax import (
-    accumulation, collectives, data, datasets, metrics, native, recipes, topology, wire, workdir)
+    accumulation, batch_norm, collectives, data, datasets, metrics, native, recipes, topology, wire, workdir)
 from mnjax.accumulation import accumulate_gradients
+from mnjax.batch_norm import SyncBatchNorm, allreduce_persistent
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
 from mnjax.host_broadcast import broadcast
 from mnjax.metrics import allreduce_metrics, global_mean
@@ -25,11 +26,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Communicator",
+    "SyncBatchNorm",
     "KINDS",
     "accumulate_gradients",
     "accumulation",
+    "allreduce_persistent",
     "allreduce_gradients",
     "allreduce_metrics",
+    "batch_norm",
     "broadcast",
     "collectives",
     "create_communicator",

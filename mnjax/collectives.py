@@ -25,8 +25,9 @@ from mnjax import mpi_ops, wire
 from mnjax.topology import Communicator, check_communicator
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "allreduce_tree", "check_bucket_bytes", "check_float_leaves", "group_by_dtype", "pack",
-    "plan_buckets", "unpack", "wire_dtype_of",
+    "DEFAULT_BUCKET_BYTES", "allreduce_tree", "check_bucket_bytes", "check_float_leaves",
+    "completion_token", "group_by_dtype", "pack", "plan_buckets", "sum_buffer", "unpack",
+    "wire_dtype_of",
 ]
 
 
@@ -242,7 +243,10 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   out: list[Any] = [None] * len(leaves)
   replicas = comm.num_replicas
-  previous = None
+  # The first exchange waits for every leaf: collectives that ran while the leaves were
+  # computed (`mnjax.SyncBatchNorm`'s, in the backward pass) are then all issued before it,
+  # in one order on every rank. One element per leaf: negligible work.
+  previous = completion_token(leaves)
   # With a 16-bit wire, values are divided by the replica count *before* they travel (so
   # what travels sums to the mean: fp16's range), and where the whole reduction is the
   # 16-bit exchange (no float32 local psum first) leaves are packed straight into the wire
@@ -263,6 +267,28 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
     for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
       out[i] = leaf
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def completion_token(leaves: list[Any]) -> jax.Array:
+  """A scalar that depends on every leaf: an `after` operand that waits for all of them."""
+  return sum((jnp.ravel(leaf)[0].real.astype(jnp.float32) for leaf in leaves if leaf.size),
+             jnp.zeros((), jnp.float32))
+
+
+def sum_buffer(buf: jax.Array, comm: Communicator, after: Any = None) -> jax.Array:
+  """Sum of a 1-D buffer over every replica of `comm`, in `buf`'s dtype; call inside a step.
+
+  The building block under `allreduce_tree` (no packing, no mean), for layers that reduce
+  their own statistics (`mnjax.SyncBatchNorm`). `after`: an array this collective must wait
+  for, the previous collective's result, so that every rank issues collectives in one order.
+  Not differentiable by itself (wrap it in a `jax.custom_vjp`, as SyncBatchNorm does).
+
+  Example:
+    >>> total = jax.jit(lambda v: mnjax.collectives.sum_buffer(v, comm))(jnp.ones(3))
+  """
+  if comm.num_replicas == 1:
+    return buf
+  return _REDUCERS[comm.kind](buf, comm, None, after)
 
 
 # Sum of a fused 1-D buffer over every replica, per communicator kind. The multi-device

@@ -76,3 +76,31 @@ def test_lars_scales_kernels_by_trust_ratio_but_not_biases():
   updates, _ = tx.update(grads, tx.init(params), params)
   np.testing.assert_allclose(updates["kernel"], -0.5 * np.ones((4, 4)))  # ratio 0.5
   np.testing.assert_allclose(updates["bias"], -1.0 * np.ones(4))         # untouched
+
+
+def test_blend_schedule_values():
+  alpha = recipes.blend_schedule(steps_per_epoch=10, begin_epoch=2, end_epoch=6)
+  assert [float(alpha(s)) for s in (0, 20, 30, 40, 60, 1000)] == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
+  with pytest.raises(ValueError, match="begin_epoch < end_epoch"):
+    recipes.blend_schedule(10, 5, 5)
+
+
+def test_rmsprop_warmup_is_rmsprop_first_and_momentum_sgd_after_the_blend():
+  grads = [{"w": jnp.array([0.5, -2.0])}, {"w": jnp.array([1.5, 0.25])}, {"w": jnp.array([-1.0, 1.0])}]
+  params = {"w": jnp.zeros(2)}
+  # After the blend (a = 1) it is momentum SGD exactly.
+  tx, sgd = recipes.rmsprop_warmup(0.1, 1.0, momentum=0.9), optax.sgd(0.1, momentum=0.9)
+  s1, s2 = tx.init(params), sgd.init(params)
+  for g in grads:
+    u1, s1 = tx.update(g, s1)
+    u2, s2 = sgd.update(g, s2)
+    np.testing.assert_allclose(u1["w"], u2["w"], rtol=1e-6)
+  # At the start (a = 0) each coordinate moves by lr * g / sqrt(nu): RMSprop's step.
+  tx = recipes.rmsprop_warmup(0.1, recipes.blend_schedule(1, 0, 2), momentum=0.0, decay=0.5)
+  state = tx.init(params)
+  update, state = tx.update(grads[0], state)
+  nu = 0.5 * grads[0]["w"] ** 2
+  np.testing.assert_allclose(update["w"], -0.1 * grads[0]["w"] / (np.sqrt(nu) + 1e-8), rtol=1e-6)
+  update, state = tx.update(grads[1], state)  # step 1 of 2: half SGD, half RMSprop
+  nu = 0.5 * nu + 0.5 * grads[1]["w"] ** 2
+  np.testing.assert_allclose(update["w"], -0.1 * (0.5 + 0.5 / np.sqrt(nu)) * grads[1]["w"], rtol=1e-6)

@@ -1,0 +1,212 @@
+"""SyncBatchNorm equals flax BatchNorm on the concatenated global batch; allreduce_persistent.
+
+Under mpirun (tests/test_mpirun.py) these run as 2 and 3 processes (flat) and 2 x 2 and
+3 x 2 (processes x devices) for the multi-device kinds; in one process, as 1 and 1 x 2.
+"""
+
+import functools
+import hashlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from mpi4py import MPI
+
+import mnjax
+from mnjax import collectives
+
+PER_REPLICA = 3
+BRANCHES = 6
+KINDS = ["flat", "hierarchical", "two_dimensional"]
+
+
+class Branchy(nn.Module):
+  """A stem and six parallel branches, each normalised with its own feature count.
+
+  Parallel branches give collectives with no data dependency between them: if ranks issued
+  them in different orders, the buffers (of different sizes) would cross-match and MPI would
+  fail ("Message truncated") or hang.
+  """
+
+  norm: type = nn.BatchNorm
+  momentum: float = 0.9
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    norm = functools.partial(self.norm, use_running_average=not train, momentum=self.momentum)
+    x = nn.relu(norm(name="stem_norm")(nn.Conv(6, (3, 3), name="stem")(x)))
+    outs = [norm(name=f"norm{i}")(nn.Conv(3 + 2 * i, (1, 1), name=f"conv{i}")(x))
+            for i in range(BRANCHES)]
+    return nn.Dense(10, name="head")(jnp.concatenate([o.mean((1, 2)) for o in outs], -1))
+
+
+def data(replicas):
+  rng = np.random.default_rng(0)
+  n = PER_REPLICA * replicas
+  images = rng.normal(1.0, 2.0, (n, 5, 5, 2)).astype(np.float32)
+  return images, rng.integers(0, 10, n).astype(np.int32)
+
+
+def mine(comm, array):
+  rows = PER_REPLICA * comm.local_device_count
+  return array[comm.rank * rows:(comm.rank + 1) * rows]
+
+
+def replica_losses(logits, labels):
+  """The sum over replicas of each replica's mean loss (what every replica differentiates)."""
+  per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  return per_example.reshape(-1, PER_REPLICA).mean(1).sum()
+
+
+def reference(variables, images, labels, momentum):
+  """flax BatchNorm in one process on the concatenated global batch."""
+  model = Branchy(momentum=momentum)
+
+  def loss(params, x):
+    logits, new = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x,
+                              train=True, mutable=["batch_stats"])
+    return replica_losses(logits, labels), (logits, new["batch_stats"])
+
+  (_, (logits, stats)), (g_params, g_images) = jax.jit(jax.value_and_grad(
+      loss, argnums=(0, 1), has_aux=True))(variables["params"], images)
+  return logits, stats, g_params, g_images
+
+
+def synced_step(kc, momentum):
+  model = Branchy(norm=functools.partial(mnjax.SyncBatchNorm, kc), momentum=momentum)
+
+  def step(variables, x, y):
+    def loss(params, x):
+      logits, new = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
+                                x, train=True, mutable=["batch_stats"])
+      per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+      return per_example.mean(), (logits, new["batch_stats"])
+
+    (_, (logits, stats)), (g_params, g_x) = jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True)(variables["params"], x)
+    # Summed (not averaged) over replicas: the gradient of the sum of replica losses.
+    g_params = collectives.allreduce_tree(g_params, kc, mean=False, bucket_bytes=64)
+    return stats, g_params, logits, g_x
+
+  return mnjax.data_parallel(step, kc, batch_argnums=(1, 2), per_device_outputs=(2, 3))
+
+
+def close(a, b, tol=1e-5):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.shape == y.shape
+    np.testing.assert_allclose(x, y, rtol=tol, atol=tol * max(1.0, float(np.abs(y).max())))
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_statistics_and_gradients_equal_batch_norm_on_the_global_batch(kind, momentum):
+  kc = mnjax.create_communicator(kind)
+  images, labels = data(kc.num_replicas)
+  variables = Branchy().init(jax.random.key(0), images[:2], train=False)
+  logits, stats, g_params, g_images = reference(variables, images, labels, momentum)
+
+  got_stats, got_grads, got_logits, got_g_images = synced_step(kc, momentum)(
+      variables, mine(kc, images), mine(kc, labels))
+  # Per-device outputs come back stacked, one row per local device: flatten to examples.
+  close(np.concatenate(got_logits), mine(kc, logits))
+  close(np.concatenate(got_g_images), mine(kc, g_images))
+  close(got_grads, g_params)
+  # momentum 0.0 (Akiba et al.): the stored statistics are the last global minibatch's.
+  close(got_stats, stats)
+  assert not np.allclose(stats["norm5"]["mean"], variables["batch_stats"]["norm5"]["mean"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sgd_steps_keep_replicas_identical_and_match_single_process(kind):
+  kc = mnjax.create_communicator(kind)
+  images, labels = data(kc.num_replicas)
+  variables = Branchy().init(jax.random.key(1), images[:2], train=False)
+  tx = optax.chain(mnjax.allreduce_gradients(kc, bucket_bytes=64), optax.sgd(0.1))
+  model = Branchy(norm=functools.partial(mnjax.SyncBatchNorm, kc))
+
+  def step(params, stats, opt_state, x, y):
+    def loss(params):
+      logits, new = model.apply({"params": params, "batch_stats": stats}, x, train=True,
+                                mutable=["batch_stats"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new
+    grads, new = jax.grad(loss, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new["batch_stats"], opt_state
+
+  run = mnjax.data_parallel(step, kc, batch_argnums=(3, 4))
+  ref_model, ref_tx = Branchy(), optax.sgd(0.1)
+
+  @jax.jit
+  def ref_step(params, stats, opt_state):
+    def loss(params):
+      logits, new = ref_model.apply({"params": params, "batch_stats": stats}, images,
+                                    train=True, mutable=["batch_stats"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), new
+    grads, new = jax.grad(loss, has_aux=True)(params)
+    updates, opt_state = ref_tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new["batch_stats"], opt_state
+
+  params, stats = variables["params"], variables["batch_stats"]
+  state, ref = (params, stats, tx.init(params)), (params, stats, ref_tx.init(params))
+  for _ in range(3):
+    state = run(*state, mine(kc, images), mine(kc, labels))
+    ref = ref_step(*ref)
+  close(state[:2], ref[:2], tol=1e-4)
+  digest = hashlib.sha256(b"".join(np.asarray(v).tobytes()
+                                   for v in jax.tree.leaves(state[:2]))).hexdigest()
+  assert len(set(kc.mpi_comm.allgather(digest))) == 1
+
+
+def test_single_replica_matches_flax_batch_norm_and_its_variables():
+  solo = mnjax.create_communicator("flat", MPI.COMM_SELF)
+  images, _ = data(2)
+  variables = Branchy().init(jax.random.key(2), images[:2], train=False)
+  synced = Branchy(norm=functools.partial(mnjax.SyncBatchNorm, solo))
+  assert jax.tree.structure(synced.init(jax.random.key(2), images[:2], train=False)) == \
+      jax.tree.structure(variables)
+  for train in (True, False):
+    got = synced.apply(variables, images, train=train, mutable=["batch_stats"])
+    want = Branchy().apply(variables, images, train=train, mutable=["batch_stats"])
+    close(got, want, tol=1e-6)
+
+
+def test_mask_and_two_pass_variance_match_flax(comm):
+  x = np.random.default_rng(3).normal(size=(4 * comm.size, 3)).astype(np.float32)
+  mask = np.arange(len(x))[:, None] % 3 != 0
+  rows = slice(4 * comm.rank, 4 * (comm.rank + 1))
+  for fast in (True, False):
+    ref = nn.BatchNorm(use_running_average=False, use_fast_variance=fast)
+    variables = ref.init(jax.random.key(0), x)
+    want, want_stats = ref.apply(variables, x, mask=mask, mutable=["batch_stats"])
+    synced = mnjax.SyncBatchNorm(comm, use_running_average=False, use_fast_variance=fast)
+    got, got_stats = jax.jit(lambda v, x, m: synced.apply(v, x, mask=m, mutable=["batch_stats"]))(
+        variables, x[rows], mask[rows])
+    close(got, want[rows])
+    close(got_stats, want_stats)
+
+
+def test_axis_name_is_refused(comm):
+  with pytest.raises(ValueError, match="axis_name/axis_index_groups must be None"):
+    mnjax.SyncBatchNorm(comm, axis_name="batch", use_running_average=False).init(
+        jax.random.key(0), jnp.ones((2, 3)))
+
+
+def test_allreduce_persistent_averages_running_statistics(comm):
+  stats = {"a": {"mean": np.full(3, float(comm.rank), np.float32)},
+           "b": jnp.arange(4.0) * (comm.rank + 1)}
+  got = mnjax.allreduce_persistent(stats, comm)
+  np.testing.assert_allclose(got["a"]["mean"], np.full(3, (comm.size - 1) / 2))
+  np.testing.assert_allclose(got["b"], np.arange(4.0) * (comm.size + 1) / 2)
+  assert isinstance(got["b"], jax.Array) and got["a"]["mean"].dtype == np.float32
+
+
+def test_allreduce_persistent_mismatch_raises_on_every_rank(comm):
+  if comm.size == 1:
+    pytest.skip("a mismatch needs two ranks (runs under mpirun -n 2 and -n 3)")
+  stats = {"mean": np.zeros(3 if comm.rank == 0 else 4, np.float32)}
+  with pytest.raises(ValueError, match="differs from rank 0"):
+    mnjax.allreduce_persistent(stats, comm)
