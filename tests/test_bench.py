@@ -35,7 +35,7 @@ def test_step_benchmark_smoke(tmp_path):
 def test_unknown_benchmark_is_a_clear_error():
   result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds}" in result.stderr
+  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds, resnet}" in result.stderr
 
 
 def test_kinds_benchmark_smoke(tmp_path):
@@ -55,3 +55,15 @@ def test_allreduce_benchmark_smoke(tmp_path):
   assert [row["bytes"] for row in data["psum"]["sweep"]] == [4, 64, 1024]
   assert len(data["mpi"]["resnet50"]) == 9 and all(v > 0 for v in data["mpi"]["resnet50"].values())
   assert "ResNet-50 gradient (161 leaves" in stdout
+
+
+def test_resnet_benchmark_smoke(tmp_path):
+  stdout, data = run_bench("resnet", ["--model", "resnet18", "--image_size", "16",
+                                      "--batch_per_rank", "2", "--steps", "1", "--rounds", "1"],
+                           tmp_path)
+  assert set(data["images_per_second"]) == {
+      "1_rank_plain", "1_rank_mnjax", "2_ranks_allreduce", "2_ranks_allreduce_local_bn",
+      "2_ranks_no_communication"}
+  assert all(v > 0 for v in data["images_per_second"].values())
+  for key in ("overhead_size1", "communication_share", "weak_scaling_efficiency"):
+    assert key in data and key in stdout

@@ -1,4 +1,4 @@
-"""``python -m mnjax.bench {allreduce,step,kinds} [--options]``; ``--help`` per benchmark."""
+"""``python -m mnjax.bench {allreduce,step,kinds,resnet} [--options]``; ``--help`` per benchmark."""
 
 import sys
 
@@ -6,6 +6,7 @@ BENCHMARKS = {
     "allreduce": "mnjax.bench.allreduce",
     "step": "mnjax.bench.step",
     "kinds": "mnjax.bench.kinds",
+    "resnet": "mnjax.bench.resnet",
 }
 
 

@@ -1,0 +1,233 @@
+"""The ChainerMN experiment: ResNet on ImageNet (or CIFAR-10, MNIST, digits, synthetic data).
+
+Configs (``--config``; any flag overrides a field):
+
+* ``imagenet``: ResNet-50, ImageNet-1k at 224 px, 32 images per replica (ChainerMN,
+  Goyal et al.), Goyal's schedule (lr 0.1 x global/256, 5 warmup epochs, /10 at 30/60/80),
+  synchronized BN, 90 epochs. On a Slurm cluster with the data prepared once
+  (``tfds build imagenet2012 --data_dir /shared/tfds --file_format array_record``)::
+
+      srun -N 32 --ntasks-per-node 4 python experiments/imagenet.py --config imagenet \\
+          --data_dir /shared/tfds --global_batch_size 4096 --workdir runs/r50
+
+  Expected time: not measured here (no GPU was lent to this project); ChainerMN reports
+  4.4 hours for 90 epochs on 128 P100s.
+* ``cifar10``: ResNet-18 with the CIFAR stem, 128 per step, 30 epochs::
+
+      mpirun -n 2 python experiments/imagenet.py --config cifar10 --data_dir ~/tensorflow_datasets
+
+  Expected time: about 1.3 s per step of 128 images on this project's 2-core CPU machine
+  (390 steps per epoch: ~9 minutes per epoch); on one GPU, seconds per epoch.
+* ``synthetic``: ResNet-50 on random ImageNet-shaped images, for throughput (no data)::
+
+      mpirun -n 2 python experiments/imagenet.py --config synthetic --image_size 64 \\
+          --steps_per_epoch 5 --epochs 2 --baseline_workdir runs/synthetic-1rank
+
+  Expected time: about 1 minute at 64 px on 2 CPU cores.
+* ``digits`` (the default; offline): ResNet-18 (CIFAR stem) on the 8x8 UCI digits, ~2 minutes
+  on 2 CPU cores: ``mpirun -n 2 python experiments/imagenet.py``.
+
+Rank 0 prints per epoch: loss, top-1 (train and test), images/s per rank and in total,
+epoch time, the share of time the loop waited for input, and with ``--baseline_workdir``
+(the same config run with 1 rank) the parallel efficiency. The work directory gets
+``config.json``, ``metrics.jsonl`` and every ``--checkpoint_every`` epochs
+``checkpoint_<epoch>.npz`` (params and batch statistics; exact resume is issue 6's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import optax
+
+import mnjax
+from mnjax import augment, bn_classifier, models, recipes, sources
+from mnjax.loader import Loader
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything that defines a run; written to ``config.json``."""
+
+  dataset: str = "digits"
+  data_dir: str = ""
+  model: str = "resnet18"
+  stem: str = "cifar"
+  image_size: int = 0  # imagenet2012/synthetic side (0: 224)
+  comm: str = "flat"
+  sync_bn: bool = True
+  bn_momentum: float = 0.9  # 0.0: evaluate with the last global minibatch's statistics
+  optimizer: str = "goyal"  # goyal | lars | rmsprop_warmup
+  base_lr: float = 0.1  # per 256 examples (linear scaling)
+  warmup_epochs: float = 5.0
+  label_smoothing: float = 0.0
+  wire_dtype: str = "float32"
+  bucket_mb: float = 4.0
+  epochs: int = 10
+  steps_per_epoch: int = 0  # 0: the whole split; else at most this many steps per epoch
+  global_batch_size: int = 64
+  seed: int = 0
+  workdir: str = "runs/resnet-digits"
+  checkpoint_every: int = 0  # epochs; 0: never
+  baseline_workdir: str = ""  # a 1-rank run of the same config, for parallel efficiency
+  eval: bool = True
+
+CONFIGS = {
+    "digits": Config(),
+    "cifar10": Config(dataset="cifar10", epochs=30, global_batch_size=128,
+                      workdir="runs/resnet18-cifar10"),
+    "imagenet": Config(dataset="imagenet2012", model="resnet50", stem="imagenet",
+                       epochs=90, global_batch_size=256, label_smoothing=0.1,
+                       workdir="runs/resnet50-imagenet", checkpoint_every=5),
+    "synthetic": Config(dataset="synthetic", model="resnet50", stem="imagenet", epochs=2,
+                        steps_per_epoch=10, global_batch_size=32, eval=False,
+                        workdir="runs/resnet50-synthetic"),
+}
+MODELS = {"resnet18": models.ResNet18, "resnet34": models.ResNet34, "resnet50": models.ResNet50,
+          "resnet101": models.ResNet101, "resnet152": models.ResNet152}
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument("--config", choices=sorted(CONFIGS), default="digits")
+  known, rest = pre.parse_known_args(argv)
+  base = CONFIGS[known.config]
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[pre])
+  for field in dataclasses.fields(Config):
+    default = getattr(base, field.name)
+    if field.type == "bool":
+      parser.add_argument(f"--{field.name}", action=argparse.BooleanOptionalAction,
+                          default=default)
+    else:
+      kind = {"int": int, "float": float, "str": str}[field.type]
+      parser.add_argument(f"--{field.name}", type=kind, default=default)
+  args = vars(parser.parse_args(argv))
+  args.pop("config")
+  config = Config(**args)
+  if config.model not in MODELS:
+    parser.error(f"--model must be one of {sorted(MODELS)}, got {config.model!r}")
+  if config.optimizer not in ("goyal", "lars", "rmsprop_warmup"):
+    parser.error(f"--optimizer must be goyal, lars or rmsprop_warmup, got {config.optimizer!r}")
+  return config
+
+
+def optimizer(config: Config, steps_per_epoch: int) -> optax.GradientTransformation:
+  schedule = recipes.goyal_schedule(
+      config.global_batch_size, steps_per_epoch, base_lr=config.base_lr,
+      warmup_epochs=config.warmup_epochs)
+  if config.optimizer == "lars":
+    return recipes.lars(schedule)
+  if config.optimizer == "rmsprop_warmup":
+    blend = recipes.blend_schedule(steps_per_epoch, 0.0, max(config.warmup_epochs, 1e-3))
+    return optax.chain(optax.add_decayed_weights(1e-4, recipes.decay_mask),
+                       recipes.rmsprop_warmup(schedule, blend))
+  return recipes.goyal_sgd(config.global_batch_size, steps_per_epoch, base_lr=config.base_lr,
+                           warmup_epochs=config.warmup_epochs)
+
+
+def baseline_rate(workdir: str) -> float | None:
+  """Images/s per rank in the last epoch of a 1-rank run of the same config."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not workdir or not os.path.exists(path):
+    return None
+  with open(path) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  return records[-1]["images_per_second_per_rank"] if records else None
+
+
+def train_and_evaluate(config: Config, comm: mnjax.Communicator):
+  """Trains for ``config.epochs``; returns the final state and the last epoch's record."""
+  per_process = mnjax.local_batch_size(config.global_batch_size, comm)  # fails on every rank
+  data_dir = config.data_dir or None
+  open_split = functools.partial(sources.open_source, config.dataset, data_dir=data_dir,
+                                 image_size=config.image_size or 224, seed=config.seed)
+  train_source = open_split("train")
+  train_fn, eval_fn = augment.transforms(config.dataset, config.image_size or None)
+  train_loader = Loader(train_source, comm, per_process, train_fn, train=True, seed=config.seed)
+  test_loader = (Loader(open_split("test"), comm, per_process, eval_fn, train=False)
+                 if config.eval else None)
+  steps = train_loader.steps()
+  if config.steps_per_epoch:
+    steps = min(steps, config.steps_per_epoch)
+
+  norm = functools.partial(mnjax.SyncBatchNorm, comm) if config.sync_bn else flax_batch_norm()
+  model = MODELS[config.model](num_classes=train_source.num_classes, stem=config.stem, norm=norm)
+  bucket = None if config.bucket_mb == 0 else int(config.bucket_mb * 2**20)
+  tx = optax.chain(mnjax.allreduce_gradients(comm, wire_dtype=config.wire_dtype,
+                                             bucket_bytes=bucket), optimizer(config, steps))
+  sample = next(iter(Loader(train_source, comm, 1, eval_fn, train=False).epoch(0))).images
+  state = bn_classifier.create_state(model, tx, sample, jax.random.key(config.seed))
+  state = mnjax.broadcast(state, comm, root=0)
+  train_step = bn_classifier.make_train_step(comm, label_smoothing=config.label_smoothing)
+
+  mnjax.workdir.write_config(config.workdir, config, comm)
+  log = mnjax.workdir.MetricsLog(config.workdir, comm)
+  baseline = baseline_rate(config.baseline_workdir)
+  if comm.is_root:
+    print(f"mnjax: {config.model} on {config.dataset} ({len(train_source)} train examples),"
+          f" {comm.size} rank(s) x {comm.local_device_count} device(s), kind {comm.kind},"
+          f" global batch {config.global_batch_size}, {steps} steps/epoch,"
+          f" {'synchronized' if config.sync_bn else 'per-replica'} BN", flush=True)
+  record: dict = {}
+  for epoch in range(1, config.epochs + 1):
+    sums = {"loss_sum": 0.0, "correct": 0, "count": 0}
+    waited = train_loader.wait_seconds
+    start = time.perf_counter()
+    for s, batch in enumerate(train_loader.epoch(epoch)):
+      if s == steps:
+        break
+      state, metrics = train_step(state, batch.images, batch.labels)
+      sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - start
+    train = mnjax.global_mean(mnjax.allreduce_metrics(sums, comm))
+    per_rank = steps * per_process / seconds
+    record = {
+        "epoch": epoch, "steps": int(state.step), "epoch_seconds": seconds,
+        "train_loss": train["loss"], "train_top1": train["correct"],
+        "images_per_second_per_rank": per_rank,
+        "images_per_second": per_rank * comm.size,
+        "input_wait_share": (train_loader.wait_seconds - waited) / seconds,
+    }
+    if baseline:
+      record["parallel_efficiency"] = per_rank / baseline
+    if test_loader is not None:
+      test = bn_classifier.evaluate(state, test_loader, comm)
+      record.update(test_loss=test["loss"], test_top1=test["correct"], test_count=test["count"])
+    log.write(**record)
+    if config.checkpoint_every and epoch % config.checkpoint_every == 0:
+      mnjax.workdir.save_params(config.workdir, {"params": state.params,
+                                                 "batch_stats": state.batch_stats},
+                                comm, name=f"checkpoint_{epoch}.npz")
+    if comm.is_root:
+      print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  top-1 {record['train_top1']:.4f}"
+            + (f"  test top-1 {record['test_top1']:.4f}" if "test_top1" in record else "")
+            + f"  {record['images_per_second']:,.1f} img/s ({per_rank:,.1f}/rank)"
+            f"  {seconds:.1f} s  input wait {record['input_wait_share']:.1%}"
+            + (f"  efficiency {record['parallel_efficiency']:.3f}" if baseline else "")
+            + ("  (includes compilation)" if epoch == 1 else ""), flush=True)
+  return state, record
+
+
+def flax_batch_norm():
+  import flax.linen as nn  # noqa: PLC0415
+
+  return nn.BatchNorm
+
+
+def main(argv: list[str] | None = None) -> None:
+  config = parse_args(argv)
+  comm = mnjax.create_communicator(config.comm)
+  _, record = train_and_evaluate(config, comm)
+  if comm.is_root:
+    print(f"done: {json.dumps(record)}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,137 @@
+"""ResNet-50 training throughput on synthetic data, at 1 and 2 ranks, side by side.
+
+    python -m mnjax.bench resnet                          # ResNet-50, 64 px, 8 images/rank
+    python -m mnjax.bench resnet --model resnet18 --image_size 32
+
+Two launches under ``mpirun --bind-to core`` (one core per rank, as one GPU per rank on a
+cluster), each timing its variants in alternating rounds (median over rounds of the slowest
+rank's step time):
+
+* 1 rank: ``plain`` (flax ``nn.BatchNorm`` + optax momentum SGD, no mnjax) and ``mnjax``
+  (`SyncBatchNorm` + ``allreduce_gradients`` on a size-1 communicator): the overhead ratio.
+* 2 ranks: ``allreduce`` (SyncBatchNorm + flat ``allreduce_gradients``, the experiment's
+  default), ``allreduce_local_bn`` (per-rank BN, ChainerMN's default) and
+  ``no_communication`` (the same step without any collective). The communication share of
+  the step is ``1 - t(no_communication) / t(allreduce)``; weak-scaling efficiency is
+  ``images/s at 2 ranks / (2 x images/s at 1 rank)``.
+
+The batch is a fixed device-resident synthetic ImageNet batch: this measures the step, not
+the input pipeline (experiments/imagenet.py reports the loader's wait share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from mpi4py import MPI
+
+import mnjax
+from mnjax import bn_classifier, models
+from mnjax.bench.launch import relaunch
+
+MODELS = {"resnet18": models.ResNet18, "resnet50": models.ResNet50}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m mnjax.bench resnet",
+                              description=__doc__.split("\n")[0])
+  p.add_argument("--model", choices=sorted(MODELS), default="resnet50")
+  p.add_argument("--image_size", type=int, default=64)
+  p.add_argument("--batch_per_rank", type=int, default=8)
+  p.add_argument("--steps", type=int, default=3, help="steps per timed round")
+  p.add_argument("--rounds", type=int, default=3, help="timed rounds per variant")
+  p.add_argument("--bind", default="core", help="mpirun --bind-to (none: off)")
+  p.add_argument("--out", default="runs/bench/resnet.json", help="JSON results")
+  p.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+  return p.parse_args(argv)
+
+
+def _variants(ranks: int, comm: mnjax.Communicator) -> dict:
+  """name -> (norm layer, optax chain)."""
+  sgd = optax.sgd(0.01, momentum=0.9)
+  synced = functools.partial(mnjax.SyncBatchNorm, comm)
+  allreduce = mnjax.allreduce_gradients(comm)
+  if ranks == 1:
+    return {"plain": (nn.BatchNorm, sgd), "mnjax": (synced, optax.chain(allreduce, sgd))}
+  return {"allreduce": (synced, optax.chain(allreduce, sgd)),
+          "allreduce_local_bn": (nn.BatchNorm, optax.chain(allreduce, sgd)),
+          "no_communication": (nn.BatchNorm, sgd)}
+
+
+def _worker(args) -> dict:
+  comm = mnjax.create_communicator("flat")
+  rng = np.random.default_rng(comm.rank)
+  shape = (args.batch_per_rank, args.image_size, args.image_size, 3)
+  images = jnp.asarray(rng.normal(size=shape).astype(np.float32))
+  labels = jnp.asarray(rng.integers(0, 1000, args.batch_per_rank).astype(np.int32))
+  step = bn_classifier.make_train_step(comm)
+  states = {}
+  for name, (norm, tx) in _variants(comm.size, comm).items():
+    model = MODELS[args.model](num_classes=1000, norm=norm)
+    state = bn_classifier.create_state(model, tx, images[:1], jax.random.key(0))
+    for _ in range(2):  # compile, warm up
+      state, _ = step(state, images, labels)
+    states[name] = jax.block_until_ready(state)
+  times: dict[str, list[float]] = {name: [] for name in states}
+  for _ in range(args.rounds):
+    for name in states:
+      state = states[name]
+      comm.mpi_comm.Barrier()
+      start = time.perf_counter()
+      for _ in range(args.steps):
+        state, _ = step(state, images, labels)
+      jax.block_until_ready(state)
+      elapsed = comm.mpi_comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+      times[name].append(elapsed / args.steps)
+      states[name] = state
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv: list[str]) -> None:
+  args = _parse(argv)
+  if args.worker:
+    seconds = _worker(args)
+    if MPI.COMM_WORLD.rank == 0:
+      print(json.dumps(seconds), flush=True)
+    return
+  common = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("worker", "out", "bind")]
+  one = relaunch("resnet", common + ["--worker=1"], ranks=1, bind=args.bind)
+  two = relaunch("resnet", common + ["--worker=2"], ranks=2, bind=args.bind)
+  ips = lambda seconds, ranks: ranks * args.batch_per_rank / seconds  # noqa: E731
+  result = {
+      "config": {k: v for k, v in vars(args).items() if k != "worker"},
+      "seconds_per_step": {"1_rank": one, "2_ranks": two},
+      "images_per_second": {**{f"1_rank_{k}": ips(v, 1) for k, v in one.items()},
+                            **{f"2_ranks_{k}": ips(v, 2) for k, v in two.items()}},
+      "overhead_size1": one["mnjax"] / one["plain"],
+      "communication_share": 1 - two["no_communication"] / two["allreduce"],
+      "communication_efficiency": two["no_communication"] / two["allreduce"],
+      "local_bn_efficiency": two["no_communication"] / two["allreduce_local_bn"],
+      "weak_scaling_efficiency": ips(two["allreduce"], 2) / (2 * ips(one["mnjax"], 1)),
+  }
+  print(f"{args.model} at {args.image_size} px, {args.batch_per_rank} images/rank/step"
+        f" (median of {args.rounds} rounds x {args.steps} steps, --bind-to {args.bind})")
+  for name, value in result["images_per_second"].items():
+    print(f"  {name:28s} {value:8.2f} img/s")
+  for key in ("overhead_size1", "communication_share", "communication_efficiency",
+              "local_bn_efficiency", "weak_scaling_efficiency"):
+    print(f"  {key:28s} {result[key]:8.3f}")
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=2))
+  print(json.dumps(result), file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
