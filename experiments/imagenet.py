@@ -43,6 +43,7 @@ import json
 import os
 import time
 
+import flax.linen as nn
 import jax
 import optax
 
@@ -156,12 +157,13 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   if config.steps_per_epoch:
     steps = min(steps, config.steps_per_epoch)
 
-  norm = functools.partial(mnjax.SyncBatchNorm, comm) if config.sync_bn else flax_batch_norm()
-  model = MODELS[config.model](num_classes=train_source.num_classes, stem=config.stem, norm=norm)
+  norm = functools.partial(mnjax.SyncBatchNorm, comm) if config.sync_bn else nn.BatchNorm
+  model = MODELS[config.model](num_classes=train_source.num_classes, stem=config.stem, norm=norm,
+                               bn_momentum=config.bn_momentum)
   bucket = None if config.bucket_mb == 0 else int(config.bucket_mb * 2**20)
   tx = optax.chain(mnjax.allreduce_gradients(comm, wire_dtype=config.wire_dtype,
                                              bucket_bytes=bucket), optimizer(config, steps))
-  sample = next(iter(Loader(train_source, comm, 1, eval_fn, train=False).epoch(0))).images
+  sample = eval_fn(train_source[0][0], None)[None]  # one preprocessed image: the input shape
   state = bn_classifier.create_state(model, tx, sample, jax.random.key(config.seed))
   state = mnjax.broadcast(state, comm, root=0)
   train_step = bn_classifier.make_train_step(comm, label_smoothing=config.label_smoothing)
@@ -213,12 +215,6 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
             + (f"  efficiency {record['parallel_efficiency']:.3f}" if baseline else "")
             + ("  (includes compilation)" if epoch == 1 else ""), flush=True)
   return state, record
-
-
-def flax_batch_norm():
-  import flax.linen as nn  # noqa: PLC0415
-
-  return nn.BatchNorm
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,3 +45,15 @@ def test_cifar_resnet_updates_its_batch_statistics_and_zero_initialises_residual
 def test_unknown_stem_is_refused():
   with pytest.raises(ValueError, match="stem must be one of"):
     ResNet18(stem="tiny").init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
+
+
+def test_resnet_bn_momentum_zero_keeps_only_the_last_batch_statistics():
+  x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
+  for momentum, forgets in ((0.0, True), (0.9, False)):
+    model = ResNet18(num_classes=10, stem="cifar", bn_momentum=momentum)
+    variables = model.init(jax.random.key(0), x, train=False)
+    shifted = jax.tree.map(lambda s: s + 1.0, variables["batch_stats"])
+    _, a = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    _, b = model.apply({**variables, "batch_stats": shifted}, x, train=True, mutable=["batch_stats"])
+    same = all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert same == forgets

@@ -92,6 +92,7 @@ class ResNet(nn.Module):
     stem: ``"imagenet"`` (7x7/2 conv + 3x3/2 max pool) or ``"cifar"`` (3x3/1 conv).
     norm: normalisation layer factory taking flax BatchNorm's arguments.
     zero_init_residual: start each block's last norm scale at zero.
+    bn_momentum: decay of the running statistics (0.0: keep the last batch's, Akiba et al.).
     dtype: computation dtype (parameters stay float32).
 
   Example:
@@ -106,13 +107,14 @@ class ResNet(nn.Module):
   stem: str = "imagenet"
   norm: Callable[..., nn.Module] = nn.BatchNorm
   zero_init_residual: bool = True
+  bn_momentum: float = 0.9
   dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     if self.stem not in STEMS:
       raise ValueError(f"ResNet: stem must be one of {STEMS}, got {self.stem!r}.")
-    norm = functools.partial(self.norm, use_running_average=not train, momentum=0.9,
+    norm = functools.partial(self.norm, use_running_average=not train, momentum=self.bn_momentum,
                              epsilon=1e-5, dtype=self.dtype)
     x = x.astype(self.dtype)
     if self.stem == "imagenet":
