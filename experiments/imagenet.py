@@ -16,16 +16,18 @@ Configs (``--config``; any flag overrides a field):
 
       mpirun -n 2 python experiments/imagenet.py --config cifar10 --data_dir ~/tensorflow_datasets
 
-  Expected time: about 1.3 s per step of 128 images on this project's 2-core CPU machine
-  (390 steps per epoch: ~9 minutes per epoch); on one GPU, seconds per epoch.
+  Expected time: a GPU run. On this project's 2-core CPU machine ResNet-18 at 32 px trains
+  at 8.6 img/s on 2 ranks (measured on mocked CIFAR-10), about 1.6 hours per epoch.
 * ``synthetic``: ResNet-50 on random ImageNet-shaped images, for throughput (no data)::
 
       mpirun -n 2 python experiments/imagenet.py --config synthetic --image_size 64 \\
           --steps_per_epoch 5 --epochs 2 --baseline_workdir runs/synthetic-1rank
 
-  Expected time: about 1 minute at 64 px on 2 CPU cores.
-* ``digits`` (the default; offline): ResNet-18 (CIFAR stem) on the 8x8 UCI digits, ~2 minutes
-  on 2 CPU cores: ``mpirun -n 2 python experiments/imagenet.py``.
+  Expected time: 2-3 minutes on 2 CPU cores (ResNet-50 at 64 px steps at 8.3 img/s on 2
+  ranks, `python -m mnjax.bench resnet`, plus about a minute of compilation).
+* ``digits`` (the default; offline): ResNet-18 (CIFAR stem) on the 8x8 UCI digits:
+  ``mpirun -n 2 python experiments/imagenet.py``. Measured in one process on 2 CPU cores:
+  ~19 s per epoch, 96% test top-1 after 3 epochs (10 by default).
 
 Rank 0 prints per epoch: loss, top-1 (train and test), images/s per rank and in total,
 epoch time, the share of time the loop waited for input, and with ``--baseline_workdir``
