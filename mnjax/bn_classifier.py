@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 
+from mnjax.classifier import step_for_kind
 from mnjax.metrics import allreduce_metrics, global_mean
-from mnjax.parallel import data_parallel
 from mnjax.recipes import smoothed_cross_entropy
 from mnjax.topology import Communicator
 
@@ -53,7 +53,7 @@ def _metrics(logits, labels, per_example, weights):
 
 
 def _train_step(state: BatchNormState, images, labels, *, smoothing: float,
-                axis_name: str | None):
+                axis_name: str | None = None):
   def loss_fn(params):
     logits, new = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, images,
                                  train=True, mutable=["batch_stats"])
@@ -77,20 +77,7 @@ def make_train_step(comm: Communicator, *, label_smoothing: float = 0.0):
     >>> step = make_train_step(comm, label_smoothing=0.1)
     >>> state, sums = step(state, batch.images, batch.labels)
   """
-  if not comm.multi_device:
-    return jax.jit(functools.partial(_train_step, smoothing=label_smoothing, axis_name=None))
-  if comm.kind != "xla":
-    return data_parallel(functools.partial(_train_step, smoothing=label_smoothing,
-                                           axis_name=comm.axis_name), comm, batch_argnums=(1, 2))
-  mapped = data_parallel(functools.partial(_train_step, smoothing=label_smoothing,
-                                           axis_name=None),
-                         comm, batch_argnums=(1, 2), per_device_outputs=(1,))
-
-  def step(state, images, labels):
-    state, per_device = mapped(state, images, labels)
-    return state, jax.tree.map(lambda x: x.sum(0), per_device)
-
-  return step
+  return step_for_kind(functools.partial(_train_step, smoothing=label_smoothing), comm)
 
 
 @jax.jit

@@ -23,7 +23,8 @@ from mnjax.metrics import allreduce_metrics, global_mean
 from mnjax.parallel import data_parallel
 from mnjax.topology import Communicator
 
-__all__ = ["create_train_state", "train_step", "make_train_step", "eval_step", "evaluate"]
+__all__ = ["create_train_state", "train_step", "make_train_step", "step_for_kind", "eval_step",
+           "evaluate"]
 
 
 def create_train_state(
@@ -81,15 +82,28 @@ def make_train_step(comm: Communicator):
   """
   if not comm.multi_device:
     return train_step
+  return step_for_kind(_train_step, comm)
+
+
+def step_for_kind(fn, comm: Communicator):
+  """A per-device ``fn(state, images, labels, axis_name=None) -> (state, metric sums)`` as
+  one step over this process's batch, for `comm`'s kind; metrics summed over the process.
+
+  Example:
+    >>> step = step_for_kind(my_per_device_step, comm)
+    >>> state, sums = step(state, images, labels)
+  """
+  if not comm.multi_device:
+    return jax.jit(fn)
   if comm.kind != "xla":
     # The local axis spans this process's devices: psum gives the process's sums. (Summing
     # per-device outputs afterwards would add a separate multi-device program between
     # steps; keeping the reduction inside the step keeps one program per step.)
     return data_parallel(
-        functools.partial(_train_step, axis_name=comm.axis_name), comm, batch_argnums=(1, 2)
+        functools.partial(fn, axis_name=comm.axis_name), comm, batch_argnums=(1, 2)
     )
   # xla: the axis spans every process, so take per-device rows and add this process's.
-  mapped = data_parallel(_train_step, comm, batch_argnums=(1, 2), per_device_outputs=(1,))
+  mapped = data_parallel(fn, comm, batch_argnums=(1, 2), per_device_outputs=(1,))
 
   def step(state, images, labels):
     state, per_device = mapped(state, images, labels)

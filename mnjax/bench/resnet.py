@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import flax.linen as nn
@@ -39,6 +37,7 @@ from mpi4py import MPI
 import mnjax
 from mnjax import bn_classifier, models
 from mnjax.bench.launch import relaunch
+from mnjax.bench.rounds import time_rounds
 
 MODELS = {"resnet18": models.ResNet18, "resnet50": models.ResNet50}
 
@@ -83,19 +82,8 @@ def _worker(args) -> dict:
     for _ in range(2):  # compile, warm up
       state, _ = step(state, images, labels)
     states[name] = jax.block_until_ready(state)
-  times: dict[str, list[float]] = {name: [] for name in states}
-  for _ in range(args.rounds):
-    for name in states:
-      state = states[name]
-      comm.mpi_comm.Barrier()
-      start = time.perf_counter()
-      for _ in range(args.steps):
-        state, _ = step(state, images, labels)
-      jax.block_until_ready(state)
-      elapsed = comm.mpi_comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-      times[name].append(elapsed / args.steps)
-      states[name] = state
-  return {name: statistics.median(t) for name, t in times.items()}
+  return time_rounds(states, lambda state: step(state, images, labels)[0], comm.mpi_comm,
+                     rounds=args.rounds, steps=args.steps)
 
 
 def main(argv: list[str]) -> None:

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -38,6 +36,7 @@ from mpi4py import MPI
 
 import mnjax
 from mnjax.bench.launch import relaunch
+from mnjax.bench.rounds import time_rounds
 from mnjax.classifier import create_train_state, train_step
 from mnjax.models import SmallCNN
 
@@ -65,19 +64,8 @@ def _time_variants(variants: dict, comm: mnjax.Communicator, args) -> dict[str, 
     for _ in range(3):  # compile and warm up
       state, _ = train_step(state, images, labels)
     states[name] = jax.block_until_ready(state)
-  times: dict[str, list[float]] = {name: [] for name in variants}
-  for _ in range(args.rounds):
-    for name in variants:
-      state = states[name]
-      comm.mpi_comm.Barrier()
-      start = time.perf_counter()
-      for _ in range(args.steps):
-        state, _ = train_step(state, images, labels)
-      jax.block_until_ready(state)
-      elapsed = time.perf_counter() - start
-      times[name].append(comm.mpi_comm.allreduce(elapsed, op=MPI.MAX))
-      states[name] = state
-  return {name: statistics.median(t) / args.steps for name, t in times.items()}
+  return time_rounds(states, lambda state: train_step(state, images, labels)[0],
+                     comm.mpi_comm, rounds=args.rounds, steps=args.steps)
 
 
 def size_one_overhead(args) -> dict:
