@@ -9,17 +9,28 @@ Run (the README's first command does the set-up, then this):
     srun -n 8 python experiments/train.py --workdir runs/d8 # on a Slurm cluster
 
 Rank 0 shows a progress bar, prints per-epoch loss, accuracy and images/s, and writes
-``config.json``, ``metrics.jsonl`` and the final ``params.npz`` to ``--workdir``. Expected: >= 97% test accuracy after
-the default 20 epochs, at any number of ranks that divides the global batch.
+``config.json``, ``metrics.jsonl``, ``checkpoints/`` (after every epoch, and every
+``--checkpoint_steps``) and the final ``params.npz`` to ``--workdir``. Expected: >= 97% test
+accuracy after the default 20 epochs, at any number of ranks that divides the global batch.
+
+Failures end the job instead of hanging it: an exception on any rank aborts all of them, the
+stall watchdog aborts when ranks drift ``--stall_timeout`` seconds apart, a step with a
+non-finite gradient is skipped on every rank, and the replicas are compared after every
+epoch. A killed run continues where its last checkpoint left off, bit for bit:
+
+    mpirun -n 2 python experiments/train.py --workdir runs/d2 --resume
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import time
 
 import jax
+import numpy as np
 import optax
 from tqdm import tqdm
 
@@ -42,6 +53,15 @@ class Config:
   seed: int = 0
   workdir: str = "runs/digits"
   progress: bool = True
+  resume: bool = False  # continue from the newest intact checkpoint in <workdir>/checkpoints
+  checkpoint_steps: int = 0  # checkpoint every N steps as well as after every epoch; 0: epochs only
+  keep_checkpoints: int = 3
+  max_consecutive_skips: int = 10  # steps with NaN/Inf gradients skipped in a row before failing
+  stall_timeout: float = 300.0  # watchdog: seconds ranks may drift apart; 0 disables it
+
+
+# Fields that fix the data order and the optimizer: a resumed run must keep them.
+_RESUME_FIXED = ("dataset", "global_batch_size", "learning_rate", "seed")
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -58,8 +78,35 @@ def parse_args(argv: list[str] | None = None) -> Config:
   return Config(**vars(parser.parse_args(argv)))
 
 
+def _resume(config: Config, checkpoints: mnjax.Checkpointer, template: dict):
+  """(epoch, batch, state) to start from: the newest checkpoint with --resume, else the start.
+
+  Without --resume a directory that already holds checkpoints is refused (same error on
+  every rank): a fresh run would mix its checkpoints with the old run's."""
+  if not config.resume:
+    if checkpoints.steps():
+      raise FileExistsError(
+          f"{checkpoints.directory} already holds checkpoints (steps {checkpoints.steps()})."
+          " Pass --resume to continue that run, or choose a new --workdir; nothing was"
+          " overwritten.")
+    return 1, 0, template
+  restored = checkpoints.restore(template)
+  if restored is None:
+    return 1, 0, template
+  step, state, meta = restored
+  changed = {k: (meta["config"][k], getattr(config, k)) for k in _RESUME_FIXED
+             if meta["config"][k] != getattr(config, k)}
+  if changed:
+    raise ValueError(
+        f"--resume: the checkpoint at step {step} was written with different settings"
+        f" (saved, now): {changed}; they fix the data order and the optimizer, so resume"
+        " with the saved values or start a new --workdir.")
+  return meta["epoch"], meta["batch"], state
+
+
 def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
-  """Trains for ``config.epochs`` and returns the last epoch's record."""
+  """Trains for ``config.epochs`` (or the rest of them, with ``resume``); returns the last
+  epoch's record."""
   mnjax.local_batch_size(config.global_batch_size, comm)  # fail fast, on every rank
   train = mnjax.datasets.load(config.dataset, "train")
   test = mnjax.datasets.load(config.dataset, "test")
@@ -67,51 +114,90 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
   allreduce = mnjax.allreduce_gradients(
       comm, wire_dtype=config.wire_dtype,
       bucket_bytes=None if config.bucket_mb == 0 else int(config.bucket_mb * 2**20))
-  tx = optax.chain(allreduce, optax.adam(config.learning_rate))
+  # After the allreduce every rank holds the same gradient, so all skip a NaN step together.
+  tx = optax.chain(allreduce, mnjax.skip_nonfinite(
+      optax.adam(config.learning_rate), max_consecutive_skips=config.max_consecutive_skips))
   model = SmallCNN(num_classes=train.num_classes)
   state = create_train_state(model, tx, train.images[:1], jax.random.key(config.seed))
   state = mnjax.broadcast(state, comm, root=0)
+  zero_sums = {"loss_sum": np.float32(0), "correct": np.int32(0), "count": np.int32(0)}
+
+  checkpoints = mnjax.Checkpointer(
+      os.path.join(config.workdir, "checkpoints"), comm, keep=config.keep_checkpoints)
+  first_epoch, first_batch, resumed = _resume(
+      config, checkpoints, {"train": state, "sums": zero_sums})
+  state, sums = resumed["train"], resumed["sums"]
+  step = int(state.step)
 
   mnjax.workdir.write_config(config.workdir, config, comm)
   log = mnjax.workdir.MetricsLog(config.workdir, comm)
   if comm.is_root:
     print(f"mnjax: {comm.size} rank(s) x {comm.local_device_count} device(s), kind"
-          f" {comm.kind}, global batch {config.global_batch_size}, {len(train)} train / {len(test)} test examples")
+          f" {comm.kind}, global batch {config.global_batch_size}, {len(train)} train /"
+          f" {len(test)} test examples"
+          + (f"; resuming at epoch {first_epoch}, batch {first_batch} (step {step})"
+             if step else ""))
+
+  def save(epoch: int, batch: int) -> None:
+    checkpoints.save(step, {"train": state, "sums": sums}, meta={
+        "epoch": epoch, "batch": batch, "config": dataclasses.asdict(config)})
 
   train_step = make_train_step(comm)
   record: dict = {}
-  for epoch in range(1, config.epochs + 1):
-    batches = list(mnjax.epoch_batches(
-        len(train), comm, config.global_batch_size, shuffle=True, seed=config.seed,
-        epoch=epoch,
-    ))
-    sums = {"loss_sum": 0.0, "correct": 0, "count": 0}
-    start = time.perf_counter()
-    for idx, _ in tqdm(batches, desc=f"epoch {epoch}", leave=False,
-                       disable=not (comm.is_root and config.progress)):
-      state, metrics = train_step(state, train.images[idx], train.labels[idx])
-      sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
-    jax.block_until_ready(state)
-    seconds = time.perf_counter() - start
-    train_metrics = mnjax.global_mean(mnjax.allreduce_metrics(sums, comm))
+  watchdog = mnjax.Watchdog(comm, timeout=config.stall_timeout) if config.stall_timeout else None
+  with contextlib.ExitStack() as stack:
+    stack.callback(checkpoints.close)
+    if watchdog is not None:
+      stack.enter_context(watchdog)
+    for epoch in range(first_epoch, config.epochs + 1):
+      batches = list(mnjax.epoch_batches(
+          len(train), comm, config.global_batch_size, shuffle=True, seed=config.seed,
+          epoch=epoch,
+      ))
+      start = time.perf_counter()
+      begin = first_batch if epoch == first_epoch else 0
+      for i in tqdm(range(begin, len(batches)), desc=f"epoch {epoch}", leave=False,
+                    disable=not (comm.is_root and config.progress)):
+        if watchdog is not None:
+          watchdog.step(step)
+        idx, _ = batches[i]
+        state, metrics = train_step(state, train.images[idx], train.labels[idx])
+        sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
+        step += 1
+        if config.checkpoint_steps and step % config.checkpoint_steps == 0:
+          save(epoch, i + 1)
+      jax.block_until_ready(state)
+      seconds = time.perf_counter() - start
+      mnjax.check_replicas(state.params, comm)  # replicas still bitwise identical?
+      train_metrics = mnjax.global_mean(mnjax.allreduce_metrics(sums, comm))
+      test_metrics = evaluate(state, test.images, test.labels, comm, config.global_batch_size)
+      skips = state.opt_state[1]
+      record = {
+          "epoch": epoch,
+          "train_loss": train_metrics["loss"],
+          "train_accuracy": train_metrics["correct"],
+          "test_loss": test_metrics["loss"],
+          "test_accuracy": test_metrics["correct"],
+          "test_count": test_metrics["count"],
+          "epoch_seconds": seconds,
+          "images_per_second": (len(batches) - begin) * config.global_batch_size / seconds,
+          "steps": step,
+          "skipped_steps": int(skips.skipped),
+      }
+      log.write(**record)
+      if comm.is_root:
+        print(f"epoch {epoch:3d}  train loss {record['train_loss']:.4f}"
+              f" acc {record['train_accuracy']:.4f}  test loss {record['test_loss']:.4f}"
+              f" acc {record['test_accuracy']:.4f}  {record['images_per_second']:,.0f} img/s"
+              + (f"  {record['skipped_steps']} non-finite steps skipped"
+                 if record["skipped_steps"] else "")
+              + ("  (includes compilation)" if epoch == first_epoch else ""), flush=True)
+      sums = zero_sums
+      save(epoch + 1, 0)
+  if not record:  # resumed a finished run: report where it ended
     test_metrics = evaluate(state, test.images, test.labels, comm, config.global_batch_size)
-    record = {
-        "epoch": epoch,
-        "train_loss": train_metrics["loss"],
-        "train_accuracy": train_metrics["correct"],
-        "test_loss": test_metrics["loss"],
-        "test_accuracy": test_metrics["correct"],
-        "test_count": test_metrics["count"],
-        "epoch_seconds": seconds,
-        "images_per_second": len(batches) * config.global_batch_size / seconds,
-        "steps": int(state.step),
-    }
-    log.write(**record)
-    if comm.is_root:
-      print(f"epoch {epoch:3d}  train loss {record['train_loss']:.4f}"
-            f" acc {record['train_accuracy']:.4f}  test loss {record['test_loss']:.4f}"
-            f" acc {record['test_accuracy']:.4f}  {record['images_per_second']:,.0f} img/s"
-            + ("  (includes compilation)" if epoch == 1 else ""), flush=True)
+    record = {"epoch": first_epoch - 1, "test_accuracy": test_metrics["correct"],
+              "test_count": test_metrics["count"], "steps": step}
   mnjax.workdir.save_params(config.workdir, state.params, comm)
   return record
 

@@ -12,20 +12,27 @@ for a size-1 communicator.
 """
 
 from mnjax import (
-    accumulation, batch_norm, collectives, data, datasets, metrics, native, recipes, topology, wire, workdir)
+    accumulation, batch_norm, checkpoint, collectives, consensus, data, datasets, failfast, metrics,
+    native, nonfinite, preflight, recipes, topology, watchdog, wire, workdir)
 from mnjax.accumulation import accumulate_gradients
 from mnjax.batch_norm import SyncBatchNorm, allreduce_persistent
+from mnjax.checkpoint import Checkpointer, CorruptCheckpointError
+from mnjax.consensus import check_replicas
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
 from mnjax.host_broadcast import broadcast
 from mnjax.metrics import allreduce_metrics, global_mean
+from mnjax.nonfinite import skip_nonfinite
 from mnjax.parallel import data_parallel
 from mnjax.topology import KINDS, Communicator, create_communicator
 from mnjax.transforms import allreduce_gradients
+from mnjax.watchdog import Watchdog
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpointer",
     "Communicator",
+    "CorruptCheckpointError",
     "SyncBatchNorm",
     "KINDS",
     "accumulate_gradients",
@@ -35,20 +42,29 @@ __all__ = [
     "allreduce_metrics",
     "batch_norm",
     "broadcast",
+    "check_replicas",
+    "checkpoint",
+    "consensus",
     "collectives",
     "create_communicator",
     "data_parallel",
     "data",
     "datasets",
     "epoch_batches",
+    "failfast",
     "global_mean",
     "local_batch_size",
     "metrics",
     "native",
+    "nonfinite",
+    "preflight",
     "recipes",
     "scatter_dataset",
     "scatter_index",
+    "skip_nonfinite",
     "topology",
+    "watchdog",
+    "Watchdog",
     "wire",
     "workdir",
 ]

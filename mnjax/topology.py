@@ -16,6 +16,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from mnjax import failfast
+
 __all__ = ["Communicator", "create_communicator", "KINDS", "check_communicator"]
 
 #: Every communicator kind mnjax knows, with what it does (README, "Communicator kinds").
@@ -203,6 +205,7 @@ def create_communicator(
     axis_name: str = "batch",
     local_devices: int | None = None,
     distributed_timeout: int = 120,
+    abort_on_error: bool = True,
 ) -> Communicator:
   """Builds the communicator for data-parallel training (collective: call on every rank).
 
@@ -218,6 +221,9 @@ def create_communicator(
     local_devices: for the multi-device kinds, how many local devices to drive (default:
       all of ``jax.local_devices()``; ``xla`` always uses all).
     distributed_timeout: ``xla`` only: seconds `jax.distributed` waits for every process.
+    abort_on_error: when the job has several processes, an uncaught exception on any rank
+      aborts every rank (`mnjax.failfast`) instead of leaving the others waiting in a
+      collective forever. Pass False to keep Python's own handler.
 
   Returns:
     A frozen, hashable `Communicator`.
@@ -253,6 +259,8 @@ def create_communicator(
   before = clone.exscan(leader)
   inter_rank = node.bcast(before or 0, root=0)
   node.Free()
+  if abort_on_error and clone.size > 1:
+    failfast.install()
   return Communicator(
       kind=kind,
       rank=clone.rank,

@@ -10,8 +10,10 @@ parameters and the replicas stay bitwise identical:
 The transformation is stateless (`optax.EmptyState`) and is meant to be called inside the
 user's own `jax.jit` step; the MPI exchange is traced into that step (see
 `mnjax.collectives.allreduce_tree`). Arguments are checked when the transformation is
-built, parameter dtypes at ``init`` and the gradient tree's dtypes when the step is traced —
-before any collective runs, identically on every rank.
+built, parameter dtypes at ``init``. When the step is traced, every rank checks its gradient
+tree and, across ranks, that all ranks trace the same gradient and parameter trees with the
+same options (`mnjax.preflight`) — before any collective runs, with the same error on every
+rank.
 
 Gradient accumulation without traffic: wrap the whole chain in `optax.MultiSteps`; its
 micro-steps take a ``lax.cond`` branch that never reaches the allreduce, so only the
@@ -26,14 +28,15 @@ from typing import Any
 
 import optax
 
-from mnjax import collectives, wire
+from mnjax import collectives, preflight, wire
 from mnjax.topology import check_communicator
 
 __all__ = ["allreduce_gradients"]
 
 
 def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
-                        bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES
+                        bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
+                        preflight_timeout: float = preflight.DEFAULT_TIMEOUT,
                         ) -> optax.GradientTransformation:
   """Averages (or sums) gradients over all replicas: ChainerMN's multi-node optimizer as optax.
 
@@ -55,6 +58,9 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
       unpacked. Default 4 MiB (`mnjax.collectives.DEFAULT_BUCKET_BYTES`, chosen by
       ``python -m mnjax.bench allreduce``); None fuses each dtype into one buffer (fewest
       calls: ChainerMN's behaviour).
+    preflight_timeout: seconds a rank waits, when the step is first traced, for every
+      other rank to reach the same pre-flight check (`mnjax.preflight`); then it raises
+      instead of hanging.
 
   Returns:
     An `optax.GradientTransformation` with `optax.EmptyState`.
@@ -77,6 +83,11 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
   wire_dtype = wire.check_wire_dtype(wire_dtype, caller)
   bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller)
   real = wire_dtype is not None
+  if not isinstance(preflight_timeout, (int, float)) or not preflight_timeout > 0:
+    raise ValueError(f"{caller}: preflight_timeout must be a positive number of seconds,"
+                     f" got {preflight_timeout!r}.")
+  options = {"communicator kind": comm.kind, "replicas": comm.num_replicas, "mean": mean,
+             "wire_dtype": str(wire_dtype), "bucket_bytes": bucket_bytes}
 
   def init_fn(params):
     # Parameters and their gradients share dtypes: refuse what cannot be reduced now,
@@ -85,8 +96,14 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
-    del params
     collectives.check_float_leaves(updates, caller, real=real)
+    # Runs in Python while the step is traced: once per compilation, not per step.
+    signature = dict(options, **{"gradient tree": preflight.tree_signature(updates)})
+    if params is not None:
+      signature["parameter tree"] = preflight.tree_signature(params)
+    preflight.check_same_on_all_ranks(
+        comm, "the gradients to exchange", signature, caller=caller,
+        timeout=preflight_timeout)
     reduced = collectives.allreduce_tree(
         updates, comm, mean=mean, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
     return reduced, state

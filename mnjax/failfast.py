@@ -1,0 +1,75 @@
+"""One rank fails, the whole job ends: an uncaught exception aborts every rank.
+
+Without this, a rank that raises simply exits while its peers wait in the next collective
+forever (MPI has no notion of a peer that left). `install(comm)` makes an uncaught
+exception print its traceback prefixed with the rank and then call ``MPI_Abort``, which the
+launcher (mpirun, srun) turns into the end of every process with a non-zero exit — what
+``python -m mpi4py script.py`` does, without having to remember the ``-m``.
+
+`mnjax.create_communicator` installs it by default when the job has more than one process
+(``abort_on_error=False`` opts out). A rank killed outright (SIGKILL, out of memory) runs no
+Python at all: mpirun ends the job by itself, and where a launcher does not (``srun``
+without ``--kill-on-bad-exit``, ``mpiexec -disable-auto-cleanup``) the stall
+`mnjax.Watchdog` notices the silent rank and aborts.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Any
+
+from mpi4py import MPI
+
+__all__ = ["abort", "install", "installed"]
+
+_state: dict[str, Any] = {"previous": None}
+
+
+def abort(message: str, *, errorcode: int = 1) -> None:
+  """Prints `message` to stderr and aborts every rank of ``MPI.COMM_WORLD``.
+
+  Example:
+    >>> abort("rank 3: data shard missing")   # never returns
+  """
+  sys.stderr.write(message if message.endswith("\n") else message + "\n")
+  sys.stderr.flush()
+  sys.stdout.flush()
+  MPI.COMM_WORLD.Abort(errorcode)
+
+
+def _hook(exc_type, exc, tb) -> None:
+  rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+  text = "".join(traceback.format_exception(exc_type, exc, tb))
+  prefixed = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines())
+  abort(f"{prefixed}mnjax: rank {rank} of {size} failed with {exc_type.__name__}; aborting"
+        " all ranks (MPI_Abort) so that none waits for it forever.")
+
+
+def install() -> None:
+  """Makes an uncaught exception on this rank abort the whole MPI job, naming the rank.
+
+  Idempotent. Does nothing on a single-process job (there is nobody to wait for it) or in
+  an interactive session, where the interpreter survives exceptions.
+
+  Example:
+    >>> comm = mnjax.create_communicator("flat")   # installs it already, or by hand:
+    >>> mnjax.failfast.install()
+  """
+  if MPI.COMM_WORLD.Get_size() == 1 or installed() or hasattr(sys, "ps1"):
+    return
+  if threading.current_thread() is not threading.main_thread():
+    raise RuntimeError("mnjax.failfast.install must be called from the main thread.")
+  _state["previous"] = sys.excepthook
+  sys.excepthook = _hook
+
+
+def installed() -> bool:
+  """True when uncaught exceptions abort the job.
+
+  Example:
+    >>> mnjax.failfast.installed()
+    True
+  """
+  return sys.excepthook is _hook

@@ -1,0 +1,201 @@
+"""Stall watchdog: ranks that stop reaching the same step are reported, then the job aborts.
+
+A synchronous data-parallel job moves at the pace of its slowest rank, and a rank that
+stops (stuck reading a file, killed by the out-of-memory killer, wedged in a driver) leaves
+the others blocked in the next collective with nothing printed — Horovod's stall inspector
+exists for this. `Watchdog` runs a background thread on every rank. The training loop calls
+``watchdog.step(n)`` as it reaches step ``n``; every ``interval`` seconds each rank sends its
+step to rank 0 over a private MPI communicator, and rank 0 answers with a heartbeat. Then:
+
+- a rank that has not reached a step within ``timeout`` seconds of the first rank reaching
+  it is *late*: rank 0 prints which ranks are missing at which step, and aborts the job;
+- a rank rank 0 has not heard from for ``heartbeat_timeout`` seconds is *silent* (dead, or
+  its process holds the Python GIL): rank 0 aborts; a rank that does not hear rank 0 for
+  that long aborts, naming rank 0.
+
+It costs one small message per rank per ``interval`` (1 s) on a thread that sleeps in
+between: nothing measurable per step. Creating one is collective (it clones the
+communicator); stopping is local and tells the peers, so ranks finishing at different
+times do not trigger it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from mnjax import failfast
+from mnjax.topology import Communicator, check_communicator
+
+__all__ = ["Watchdog"]
+
+_TAG = 7301
+_RUNNING, _DONE = 0, 1
+
+
+class Watchdog:
+  """Reports ranks that fall behind or go silent, then aborts every rank.
+
+  Args:
+    comm: the `Communicator`.
+    timeout: seconds a rank may take to reach a step after the first rank reached it.
+      Every rank takes the same steps, so this bounds the skew between ranks, not the
+      length of a step, an evaluation or a compilation (all ranks do those together).
+    heartbeat_timeout: seconds without any message from a rank (or, on the others, from
+      rank 0) before it counts as dead.
+    interval: seconds between heartbeats.
+    on_stall: called with the report instead of aborting (default: print it and
+      ``MPI_Abort``, through `mnjax.failfast.abort`).
+
+  Example:
+    >>> with mnjax.Watchdog(comm, timeout=300) as watchdog:
+    ...   for step, batch in enumerate(batches):
+    ...     watchdog.step(step)
+    ...     state, metrics = train_step(state, batch)
+  """
+
+  def __init__(self, comm: Communicator, *, timeout: float = 300.0,
+               heartbeat_timeout: float = 60.0, interval: float = 1.0,
+               on_stall: Callable[[str], None] | None = None):
+    check_communicator(comm, "Watchdog")
+    for name, value in (("timeout", timeout), ("heartbeat_timeout", heartbeat_timeout),
+                        ("interval", interval)):
+      if not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"Watchdog: {name} must be a positive number of seconds, got {value!r}.")
+    if heartbeat_timeout < 3 * interval:
+      raise ValueError(
+          f"Watchdog: heartbeat_timeout ({heartbeat_timeout} s) must be at least 3 heartbeat"
+          f" intervals ({3 * interval} s), or a busy rank would be taken for a dead one.")
+    if comm.size > 1 and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+      raise RuntimeError(
+          "Watchdog: MPI was initialised without MPI_THREAD_MULTIPLE, which the watchdog's"
+          " thread needs. Leave mpi4py.rc.thread_level at its default ('multiple').")
+    self.comm = comm
+    self.timeout = float(timeout)
+    self.heartbeat_timeout = float(heartbeat_timeout)
+    self.interval = float(interval)
+    self._on_stall = on_stall or failfast.abort
+    self._step = -1
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._mpi = comm.mpi_comm.Dup() if comm.size > 1 else None  # collective
+    self._requests: list[MPI.Request] = []
+
+  # -- main thread -------------------------------------------------------------------------
+
+  def step(self, n: int) -> None:
+    """Records that this rank has reached step `n` (call it once per step, any thread)."""
+    self._step = int(n)
+
+  def start(self) -> "Watchdog":
+    """Starts the thread (local). Returns self."""
+    if self._mpi is not None and self._thread is None:
+      target = self._monitor if self.comm.rank == 0 else self._report
+      self._thread = threading.Thread(target=target, name="mnjax-watchdog", daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    """Stops the thread and tells the peers this rank finished (local, idempotent)."""
+    if self._thread is None:
+      return
+    self._stop.set()
+    self._thread.join()
+    self._thread = None
+    peers = range(1, self.comm.size) if self.comm.rank == 0 else (0,)
+    for peer in peers:
+      self._send(peer, _DONE)
+    MPI.Request.Waitall(self._requests)  # small messages: complete locally at once
+    self._requests = []
+
+  def __enter__(self) -> "Watchdog":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+  # -- the thread --------------------------------------------------------------------------
+
+  def _send(self, dest: int, flag: int) -> None:
+    self._requests = [r for r in self._requests if not r.Test()]
+    message = np.array([self._step, flag], np.int64)
+    self._requests.append(self._mpi.Isend(message, dest=dest, tag=_TAG))
+
+  def _receive(self):
+    """Every pending message: yields (source, step, flag)."""
+    status = MPI.Status()
+    while self._mpi.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG, status=status):
+      message = np.empty(2, np.int64)
+      self._mpi.Recv(message, source=status.Get_source(), tag=_TAG)
+      yield status.Get_source(), int(message[0]), int(message[1])
+
+  def _report(self) -> None:
+    """Ranks other than 0: send the step, watch rank 0's heartbeat."""
+    heard, root_done = time.monotonic(), False
+    while not self._stop.wait(self.interval):
+      if not root_done:
+        self._send(0, _RUNNING)
+      for _, _, flag in self._receive():
+        heard, root_done = time.monotonic(), root_done or flag == _DONE
+      silent = time.monotonic() - heard
+      if not root_done and silent > self.heartbeat_timeout:
+        self._on_stall(
+            f"mnjax watchdog: rank {self.comm.rank} has not heard from rank 0 for"
+            f" {silent:.0f} s (this rank is at step {self._step}); rank 0 died or is stuck."
+            " Aborting all ranks.")
+        return
+
+  def _monitor(self) -> None:
+    """Rank 0: collect every rank's step, find late and silent ranks, send heartbeats."""
+    size = self.comm.size
+    steps = np.full(size, -1, np.int64)
+    heard = np.full(size, time.monotonic())
+    done = np.zeros(size, bool)
+    first_reached: list[tuple[int, float]] = []  # (new highest step, when), increasing
+    while not self._stop.wait(self.interval):
+      now = time.monotonic()
+      for source, step, flag in self._receive():
+        steps[source], heard[source] = max(steps[source], step), now
+        done[source] |= flag == _DONE
+      steps[0], heard[0] = self._step, now
+      if not first_reached or steps.max() > first_reached[-1][0]:
+        first_reached.append((int(steps.max()), now))
+      report = self._check(steps, heard, done, first_reached, now)
+      if report:
+        self._on_stall(report)
+        return
+      for rank in np.flatnonzero(~done[1:]) + 1:
+        self._send(int(rank), _RUNNING)
+
+  def _check(self, steps, heard, done, first_reached, now) -> str:
+    """The stall report, or '' when every running rank keeps up."""
+    late, silent = [], []
+    for rank in range(self.comm.size):
+      if done[rank]:
+        continue
+      if now - heard[rank] > self.heartbeat_timeout:
+        silent.append(f"rank {rank} (last at step {steps[rank]}, silent for"
+                      f" {now - heard[rank]:.0f} s)")
+        continue
+      # When did some rank first pass this rank's step?
+      since = next((t for s, t in first_reached if s > steps[rank]), None)
+      if since is not None and now - since > self.timeout:
+        late.append((rank, int(steps[rank]) + 1, now - since))
+    if not late and not silent:
+      return ""
+    parts = []
+    if late:
+      ahead = sorted(int(r) for r in np.flatnonzero(steps == steps.max()))
+      parts.append("; ".join(
+          f"rank {rank} has not reached step {step} {waited:.0f} s after rank(s) {ahead}"
+          f" passed it" for rank, step, waited in late))
+    if silent:
+      parts.append("no message from " + ", ".join(silent) + ": the process died or holds"
+                   " the Python GIL")
+    return (f"mnjax watchdog: ranks are not keeping up (timeout {self.timeout:.0f} s,"
+            f" heartbeat timeout {self.heartbeat_timeout:.0f} s): " + "; ".join(parts)
+            + ". Aborting all ranks; the stacks of the missing ranks show where they wait.")
