@@ -5,10 +5,14 @@ stops (stuck reading a file, killed by the out-of-memory killer, wedged in a dri
 the others blocked in the next collective with nothing printed — Horovod's stall inspector
 exists for this. `Watchdog` runs a background thread on every rank. The training loop calls
 ``watchdog.step(n)`` as it reaches step ``n``; every ``interval`` seconds each rank sends its
-step to rank 0 over a private MPI communicator, and rank 0 answers with a heartbeat. Then:
+step and its count of in-step collectives entered and completed (`mnjax.native`) to rank 0
+over a private MPI communicator, and rank 0 answers with a heartbeat. Then:
 
+- a rank that has waited inside an in-step collective for ``timeout`` seconds is *blocked*:
+  rank 0 names the ranks that never entered that collective and the step they are at;
 - a rank that has not reached a step within ``timeout`` seconds of the first rank reaching
-  it is *late*: rank 0 prints which ranks are missing at which step, and aborts the job;
+  it is *late* (the only signal where the in-step collectives are not mnjax's CPU
+  handlers, e.g. mpi4jax's GPU ones);
 - a rank rank 0 has not heard from for ``heartbeat_timeout`` seconds is *silent* (dead, or
   its process holds the Python GIL): rank 0 aborts; a rank that does not hear rank 0 for
   that long aborts, naming rank 0.
@@ -28,7 +32,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from mnjax import failfast
+from mnjax import failfast, native
 from mnjax.topology import Communicator, check_communicator
 
 __all__ = ["Watchdog"]
@@ -122,16 +126,16 @@ class Watchdog:
 
   def _send(self, dest: int, flag: int) -> None:
     self._requests = [r for r in self._requests if not r.Test()]
-    message = np.array([self._step, flag], np.int64)
+    message = np.array([self._step, flag, *_collective_counts()], np.int64)
     self._requests.append(self._mpi.Isend(message, dest=dest, tag=_TAG))
 
   def _receive(self):
-    """Every pending message: yields (source, step, flag)."""
+    """Every pending message: yields (source, [step, flag, entered, completed])."""
     status = MPI.Status()
     while self._mpi.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG, status=status):
-      message = np.empty(2, np.int64)
+      message = np.empty(4, np.int64)
       self._mpi.Recv(message, source=status.Get_source(), tag=_TAG)
-      yield status.Get_source(), int(message[0]), int(message[1])
+      yield status.Get_source(), message
 
   def _report(self) -> None:
     """Ranks other than 0: send the step, watch rank 0's heartbeat."""
@@ -139,8 +143,8 @@ class Watchdog:
     while not self._stop.wait(self.interval):
       if not root_done:
         self._send(0, _RUNNING)
-      for _, _, flag in self._receive():
-        heard, root_done = time.monotonic(), root_done or flag == _DONE
+      for _, message in self._receive():
+        heard, root_done = time.monotonic(), root_done or message[1] == _DONE
       silent = time.monotonic() - heard
       if not root_done and silent > self.heartbeat_timeout:
         self._on_stall(
@@ -150,52 +154,86 @@ class Watchdog:
         return
 
   def _monitor(self) -> None:
-    """Rank 0: collect every rank's step, find late and silent ranks, send heartbeats."""
-    size = self.comm.size
-    steps = np.full(size, -1, np.int64)
-    heard = np.full(size, time.monotonic())
-    done = np.zeros(size, bool)
-    first_reached: list[tuple[int, float]] = []  # (new highest step, when), increasing
+    """Rank 0: collect every rank's progress, look for stalls, send heartbeats."""
+    view = _JobView(self.comm.size, time.monotonic())
     while not self._stop.wait(self.interval):
       now = time.monotonic()
-      for source, step, flag in self._receive():
-        steps[source], heard[source] = max(steps[source], step), now
-        done[source] |= flag == _DONE
-      steps[0], heard[0] = self._step, now
-      if not first_reached or steps.max() > first_reached[-1][0]:
-        first_reached.append((int(steps.max()), now))
-      report = self._check(steps, heard, done, first_reached, now)
+      for source, message in self._receive():
+        view.update(source, message, now)
+      view.update(0, np.array([self._step, _RUNNING, *_collective_counts()]), now)
+      report = view.stall_report(now, self.timeout, self.heartbeat_timeout)
       if report:
         self._on_stall(report)
         return
-      for rank in np.flatnonzero(~done[1:]) + 1:
+      for rank in np.flatnonzero(~view.done[1:]) + 1:
         self._send(int(rank), _RUNNING)
 
-  def _check(self, steps, heard, done, first_reached, now) -> str:
-    """The stall report, or '' when every running rank keeps up."""
-    late, silent = [], []
-    for rank in range(self.comm.size):
-      if done[rank]:
-        continue
-      if now - heard[rank] > self.heartbeat_timeout:
-        silent.append(f"rank {rank} (last at step {steps[rank]}, silent for"
-                      f" {now - heard[rank]:.0f} s)")
-        continue
-      # When did some rank first pass this rank's step?
-      since = next((t for s, t in first_reached if s > steps[rank]), None)
-      if since is not None and now - since > self.timeout:
-        late.append((rank, int(steps[rank]) + 1, now - since))
-    if not late and not silent:
-      return ""
-    parts = []
-    if late:
-      ahead = sorted(int(r) for r in np.flatnonzero(steps == steps.max()))
-      parts.append("; ".join(
-          f"rank {rank} has not reached step {step} {waited:.0f} s after rank(s) {ahead}"
-          f" passed it" for rank, step, waited in late))
+
+def _collective_counts() -> tuple[int, int]:
+  """(entered, completed) in-step collectives of mnjax's CPU handlers; (0, 0) without them."""
+  try:
+    return native.collective_counts()
+  except Exception:  # noqa: BLE001 (no compiler for the handlers: steps still count)
+    return 0, 0
+
+
+class _JobView:
+  """Rank 0's picture of every rank: step, in-step collectives, when it last changed."""
+
+  def __init__(self, size: int, now: float):
+    self.steps = np.full(size, -1, np.int64)
+    self.entered = np.zeros(size, np.int64)
+    self.completed = np.zeros(size, np.int64)
+    self.heard = np.full(size, now)
+    self.moved = np.full(size, now)  # last change of the collective counters
+    self.done = np.zeros(size, bool)
+    self.first_reached: list[tuple[int, float]] = []  # (new highest step, when)
+
+  def update(self, rank: int, message: np.ndarray, now: float) -> None:
+    step, flag, entered, completed = (int(x) for x in message)
+    if (entered, completed) != (self.entered[rank], self.completed[rank]):
+      self.moved[rank] = now
+    self.steps[rank] = max(self.steps[rank], step)
+    self.entered[rank], self.completed[rank] = entered, completed
+    self.heard[rank] = now
+    self.done[rank] |= flag == _DONE
+    top = int(self.steps.max())
+    if not self.first_reached or top > self.first_reached[-1][0]:
+      self.first_reached.append((top, now))
+
+  def stall_report(self, now: float, timeout: float, heartbeat_timeout: float) -> str:
+    """What is wrong, naming ranks and steps; '' while every running rank keeps up."""
+    running = [r for r in range(len(self.steps)) if not self.done[r]]
+    problems = []
+    silent = [r for r in running if now - self.heard[r] > heartbeat_timeout]
     if silent:
-      parts.append("no message from " + ", ".join(silent) + ": the process died or holds"
-                   " the Python GIL")
-    return (f"mnjax watchdog: ranks are not keeping up (timeout {self.timeout:.0f} s,"
-            f" heartbeat timeout {self.heartbeat_timeout:.0f} s): " + "; ".join(parts)
-            + ". Aborting all ranks; the stacks of the missing ranks show where they wait.")
+      problems.append("no message from " + ", ".join(
+          f"rank {r} (at step {self.steps[r]}) for {now - self.heard[r]:.0f} s" for r in silent)
+          + ": the process died or holds the Python GIL")
+    # Ranks stuck inside an in-step collective, and the ranks that never entered it.
+    waiting = [r for r in running if r not in silent and self.entered[r] > self.completed[r]
+               and now - self.moved[r] > timeout]
+    if waiting:
+      number = int(self.entered[waiting[0]])
+      absent = [r for r in running if self.entered[r] < number]
+      problems.append(
+          f"ranks {waiting} have waited over {timeout:.0f} s in in-step collective #{number}"
+          f" (at step {self.steps[waiting[0]]}); "
+          + (", ".join(f"rank {r} has not entered it (at step {self.steps[r]}, after"
+                       f" {self.entered[r]} collectives)" for r in absent) if absent else
+             "every rank has entered it: they wait in different collectives, or MPI is stuck"))
+    # Ranks that have not reached a step some rank passed `timeout` seconds ago.
+    top = int(self.steps.max())
+    for r in running:
+      if r in silent or r in waiting or (waiting and self.entered[r] < number):
+        continue
+      since = next((t for s, t in self.first_reached if s > self.steps[r]), None)
+      if since is not None and now - since > timeout:
+        problems.append(f"rank {r} has not reached step {self.steps[r] + 1}"
+                        f" {now - since:.0f} s after the first rank did (the furthest"
+                        f" is at step {top})")
+    if not problems:
+      return ""
+    return (f"mnjax watchdog: ranks are not keeping up (timeout {timeout:.0f} s, heartbeat"
+            f" timeout {heartbeat_timeout:.0f} s): " + "; ".join(problems) + ". Aborting all"
+            " ranks; the stacks of the ranks named show where they are.")

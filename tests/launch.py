@@ -21,13 +21,14 @@ def mpirun_path() -> str:
   return found
 
 
-def run_mpi(ranks: int, args: list[str], *, timeout: float, env: dict | None = None):
-  """Runs ``mpirun -n ranks <python> args``; kills the whole job after `timeout` seconds.
+def run_mpi(ranks: int, args: list[str], *, timeout: float, env: dict | None = None,
+            mpi_args: tuple[str, ...] = ()):
+  """Runs ``mpirun [mpi_args] -n ranks <python> args``; kills the whole job after `timeout` s.
 
   Returns the `subprocess.CompletedProcess` (stdout and stderr merged, as text). A job that
   does not finish in time raises `AssertionError` with the output so far.
   """
-  cmd = [mpirun_path(), "-n", str(ranks), sys.executable, *args]
+  cmd = [mpirun_path(), *mpi_args, "-n", str(ranks), sys.executable, *args]
   full_env = {**os.environ, **(env or {})}
   proc = subprocess.Popen(
       cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -29,7 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["LIBRARY", "SOURCE", "TARGETS", "allreduce_calls", "build", "handlers", "is_stale"]
+__all__ = ["LIBRARY", "SOURCE", "TARGETS", "allreduce_calls", "build", "collective_counts",
+           "handlers", "is_stale"]
 
 SOURCE = Path(__file__).with_name("mpi_collectives.cc")
 LIBRARY = Path(__file__).with_name("_mpi_collectives.so")
@@ -101,6 +102,22 @@ def allreduce_calls() -> int:
   fn = _library().mnjax_allreduce_calls
   fn.restype = ctypes.c_int64
   return int(fn())
+
+
+def collective_counts() -> tuple[int, int]:
+  """``(entered, completed)``: in-step collectives this process's handlers have started and
+  finished. More entered than completed means a collective is waiting for its peers
+  (`mnjax.Watchdog` compares these across ranks to name the ranks that never came).
+
+  Example:
+    >>> mnjax.native.collective_counts()
+    (42, 42)
+  """
+  lib = _library()
+  entered, completed = lib.mnjax_collectives_entered, lib.mnjax_collectives_completed
+  entered.restype = completed.restype = ctypes.c_int64
+  completed_first = int(completed())  # read completed first: never more completed than entered
+  return int(entered()), completed_first
 
 
 def handlers() -> dict:

@@ -32,6 +32,16 @@ namespace {
 
 // Completed allreduces, for tests that prove a step issued no collective (mnjax.native).
 std::atomic<int64_t> completed_allreduces{0};
+// Every collective entered and left, for the stall watchdog (mnjax.watchdog): a rank with
+// more entered than completed is waiting for peers that have not entered yet.
+std::atomic<int64_t> entered_collectives{0};
+std::atomic<int64_t> completed_collectives{0};
+
+// Counts one collective as entered now and completed when it goes out of scope.
+struct Counted {
+  Counted() { entered_collectives.fetch_add(1, std::memory_order_relaxed); }
+  ~Counted() { completed_collectives.fetch_add(1, std::memory_order_relaxed); }
+};
 
 template <typename Handle>
 Handle FromInt(int64_t value) {
@@ -70,6 +80,7 @@ ffi::Error Allreduce(ffi::AnyBuffer operand, ffi::AnyBuffer after,
   MPI_Comm c = FromInt<MPI_Comm>(comm);
   void* send = operand.untyped_data();
   void* recv = result->untyped_data();
+  Counted counted;
   AbortOnError(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, static_cast<int>(count),
                              FromInt<MPI_Datatype>(dtype), FromInt<MPI_Op>(op), c),
                c, "MPI_Allreduce");
@@ -87,6 +98,7 @@ ffi::Error Pairwise(const char* name, ffi::AnyBuffer operand, ffi::Result<ffi::A
   if (auto e = CheckCount(count); e.failure()) return e;
   MPI_Comm c = FromInt<MPI_Comm>(comm);
   MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
+  Counted counted;
   AbortOnError(kCall(operand.untyped_data(), static_cast<int>(count), t, result->untyped_data(),
                      static_cast<int>(count), t, c),
                c, name);
@@ -117,6 +129,8 @@ auto Binding() {
 }  // namespace
 
 extern "C" int64_t mnjax_allreduce_calls() { return completed_allreduces.load(); }
+extern "C" int64_t mnjax_collectives_entered() { return entered_collectives.load(); }
+extern "C" int64_t mnjax_collectives_completed() { return completed_collectives.load(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce, Allreduce,
                               Binding().Attr<int64_t>("op").Attr<int64_t>("comm").Attr<int64_t>(
