@@ -1,0 +1,117 @@
+"""Checkpointer: exact round trip, keep N, verified restore with fallback, the same step on
+every rank (1 process and under mpirun -n 2 and -n 3; rank 0 writes, in its own tmp_path)."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from mpi4py import MPI
+
+import mnjax
+
+
+def make_state(scale=1.0):
+  tx = mnjax.skip_nonfinite(optax.adam(1e-3))
+  params = {"w": jnp.arange(12.0).reshape(3, 4) * scale, "b": jnp.full(4, scale, jnp.bfloat16)}
+  return {"params": params, "opt": tx.init(params), "key": jax.random.key(7),
+          "data": np.arange(5, dtype=np.int64), "epoch": 3}
+
+
+def assert_same(a, b):
+  a_leaves, b_leaves = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(a_leaves, b_leaves):
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    assert type(x) is type(y) and np.asarray(x).dtype == np.asarray(y).dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def template(comm, state):
+  """Non-root ranks restore into zeros: what they get must come from rank 0's checkpoint."""
+  return state if comm.rank == 0 else make_state(scale=0.0)
+
+
+def test_round_trip_keeps_the_newest_and_is_equal_on_every_rank(comm, tmp_path):
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm, keep=2) as ckpt:
+    assert ckpt.restore(make_state()) is None  # nothing saved yet, on every rank
+    for step in (1, 2, 3, 4):
+      ckpt.save(step, make_state(scale=step), meta={"epoch": step, "batch": 10 * step})
+    ckpt.wait()
+    assert ckpt.steps() == [3, 4]
+    step, state, meta = ckpt.restore(template(comm, make_state()))
+  assert (step, meta) == (4, {"epoch": 4, "batch": 40})
+  assert_same(state, make_state(scale=4))
+  assert state["params"]["w"].sharding == jnp.zeros(1).sharding
+
+
+def test_ranks_that_see_different_checkpoints_restore_rank_0s_step(comm, tmp_path):
+  # Every rank has its own directory; the other ranks' hold a newer step 3 (a stale or
+  # private view of storage). Rank 0 decides, and everyone gets rank 0's step 2.
+  alone = mnjax.create_communicator("flat", MPI.COMM_SELF)
+  with mnjax.Checkpointer(tmp_path / "ckpt", alone) as mine:
+    for step in (1, 2) if comm.rank == 0 else (1, 2, 3):
+      mine.save(step, make_state(scale=step + 10 * comm.rank))
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
+    step, state, _ = ckpt.restore(make_state())
+  assert step == 2
+  assert_same(state, make_state(scale=2))
+  assert comm.mpi_comm.allgather(step) == [2] * comm.size
+
+
+def damage(directory: Path, step: int, how: str) -> None:
+  files = sorted((p for p in (directory / str(step) / "state").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+  target = files[-1]  # the largest file: array data
+  data = bytearray(target.read_bytes())
+  if how == "flip":
+    for i in range(len(data) // 3, len(data) // 3 + 8):
+      data[i] ^= 0xFF
+  else:
+    data = data[:len(data) // 2]
+  target.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(comm, tmp_path, capfd, how):
+  directory = tmp_path / "ckpt"
+  with mnjax.Checkpointer(directory, comm, async_save=False) as ckpt:
+    big = {"w": jnp.arange(4096.0), "n": 0}
+    for step in (1, 2):
+      ckpt.save(step, {"w": big["w"] * step, "n": step})
+    if comm.rank == 0:
+      damage(directory, 2, how)
+    step, state, _ = ckpt.restore(big)
+    assert step == 1
+    np.testing.assert_array_equal(state["w"], np.arange(4096.0))
+    if comm.rank == 0:
+      assert f"skipping checkpoint {directory}/2" in capfd.readouterr().err
+      damage(directory, 1, how)
+    with pytest.raises(mnjax.CorruptCheckpointError,
+                       match=r"none of the 2 checkpoints .* reads back intact.*Nothing was loaded"):
+      ckpt.restore(big)
+
+
+def test_restoring_into_a_different_tree_is_refused(comm, tmp_path):
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
+    ckpt.save(1, {"w": jnp.ones(3)})
+    ckpt.wait()
+    with pytest.raises(mnjax.CorruptCheckpointError, match=r"different tree.*\['w'\] saved as float32\(3,\), expected float32\(4,\)"):
+      ckpt.restore({"w": jnp.ones(4)})
+
+
+def test_saving_different_steps_on_different_ranks_is_refused(comm, tmp_path):
+  if comm.size == 1:
+    pytest.skip("needs ranks that disagree (runs under mpirun)")
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
+    with pytest.raises(ValueError, match=r"ranks are saving different steps \[5, 6"):
+      ckpt.save(5 + (comm.rank > 0), {"w": jnp.ones(3)})
+    assert ckpt.steps() == []
+
+
+def test_keep_must_be_positive(comm, tmp_path):
+  with pytest.raises(ValueError, match="keep must be an int >= 1"):
+    mnjax.Checkpointer(tmp_path, comm, keep=0)
