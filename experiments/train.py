@@ -126,7 +126,9 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
       os.path.join(config.workdir, "checkpoints"), comm, keep=config.keep_checkpoints)
   first_epoch, first_batch, resumed = _resume(
       config, checkpoints, {"train": state, "sums": zero_sums})
-  state, sums = resumed["train"], resumed["sums"]
+  state = resumed["train"]
+  # The checkpoint holds the epoch's partial metric sums over all ranks: rank 0 carries them.
+  sums = resumed["sums"] if comm.is_root else zero_sums
   step = int(state.step)
 
   mnjax.workdir.write_config(config.workdir, config, comm)
@@ -139,7 +141,8 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
              if step else ""))
 
   def save(epoch: int, batch: int) -> None:
-    checkpoints.save(step, {"train": state, "sums": sums}, meta={
+    partial = mnjax.allreduce_metrics(sums, comm)  # metrics are per rank, checkpoints global
+    checkpoints.save(step, {"train": state, "sums": partial}, meta={
         "epoch": epoch, "batch": batch, "config": dataclasses.asdict(config)})
 
   train_step = make_train_step(comm)

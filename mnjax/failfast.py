@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -27,8 +28,14 @@ __all__ = ["abort", "install", "installed"]
 _state: dict[str, Any] = {"previous": None}
 
 
-def abort(message: str, *, errorcode: int = 1) -> None:
-  """Prints `message` to stderr and aborts every rank of ``MPI.COMM_WORLD``.
+#: Seconds between printing the error and aborting: ranks that fail at the same point (bad
+#: input is usually seen by all) get to print their own message before the job ends.
+GRACE_SECONDS = 2.0
+
+
+def abort(message: str, *, errorcode: int = 1, grace: float = 0.0) -> None:
+  """Prints `message` to stderr and, after `grace` seconds, aborts every rank of
+  ``MPI.COMM_WORLD``.
 
   Example:
     >>> abort("rank 3: data shard missing")   # never returns
@@ -36,6 +43,7 @@ def abort(message: str, *, errorcode: int = 1) -> None:
   sys.stderr.write(message if message.endswith("\n") else message + "\n")
   sys.stderr.flush()
   sys.stdout.flush()
+  time.sleep(grace)
   MPI.COMM_WORLD.Abort(errorcode)
 
 
@@ -44,7 +52,7 @@ def _hook(exc_type, exc, tb) -> None:
   text = "".join(traceback.format_exception(exc_type, exc, tb))
   prefixed = "".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines())
   abort(f"{prefixed}mnjax: rank {rank} of {size} failed with {exc_type.__name__}; aborting"
-        " all ranks (MPI_Abort) so that none waits for it forever.")
+        " all ranks (MPI_Abort) so that none waits for it forever.", grace=GRACE_SECONDS)
 
 
 def install() -> None:

@@ -1,0 +1,56 @@
+"""Kill the main job mid-way (SIGKILL of rank 1), resume it with --resume: it ends with
+parameters bitwise equal to a run that was never interrupted (mpirun -n 2)."""
+
+import json
+
+import numpy as np
+
+from launch import run_mpi
+
+FLAGS = ["--epochs", "3", "--checkpoint_steps", "5", "--no-progress"]
+KILL_STEP = 31  # of 66 (22 per epoch): mid-way through epoch 2, between two checkpoints
+
+
+def records(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
+  whole, killed = tmp_path / "whole", tmp_path / "killed"
+  result = run_mpi(2, ["experiments/train.py", *FLAGS, "--workdir", str(whole)], timeout=300)
+  assert result.returncode == 0, result.stdout[-5000:]
+
+  result = run_mpi(2, ["tests/faults/killed_train.py", "1", str(KILL_STEP), *FLAGS,
+                       "--workdir", str(killed)], timeout=300)
+  assert result.returncode != 0 and "final test accuracy" not in result.stdout
+  assert not (killed / "params.npz").exists()
+
+  result = run_mpi(2, ["experiments/train.py", *FLAGS, "--workdir", str(killed), "--resume"],
+                   timeout=300)
+  assert result.returncode == 0, result.stdout[-5000:]
+  # The newest checkpoint before the kill: step 30 (written before step 31 ran) or, had
+  # rank 0 not finished writing it, step 25.
+  assert ("resuming at epoch 2, batch 8 (step 30)" in result.stdout
+          or "resuming at epoch 2, batch 3 (step 25)" in result.stdout), result.stdout[-3000:]
+
+  a, b = np.load(whole / "params.npz"), np.load(killed / "params.npz")
+  assert sorted(a) == sorted(b)
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)  # bitwise
+  # Epoch 2's training metrics come back whole (the partial sums are checkpointed too;
+  # summed in another order, the loss may differ in the last float32 bits).
+  for epoch in (2, 3):
+    (x,), (y,) = ([r for r in records(d) if r["epoch"] == epoch] for d in (whole, killed))
+    for key in ("train_accuracy", "test_loss", "test_accuracy", "steps"):
+      assert x[key] == y[key], (epoch, key)
+    np.testing.assert_allclose(x["train_loss"], y["train_loss"], rtol=1e-6)
+
+
+def test_a_fresh_run_does_not_overwrite_checkpoints(tmp_path):
+  args = ["experiments/train.py", "--epochs", "1", "--no-progress", "--workdir", str(tmp_path)]
+  assert run_mpi(2, args, timeout=300).returncode == 0
+  before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+  result = run_mpi(2, args, timeout=300)
+  assert result.returncode != 0
+  assert result.stdout.count("already holds checkpoints (steps [22]). Pass --resume") == 2
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
