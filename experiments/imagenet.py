@@ -32,13 +32,17 @@ Configs (``--config``; any flag overrides a field):
 Rank 0 prints per epoch: loss, top-1 (train and test), images/s per rank and in total,
 epoch time, the share of time the loop waited for input, and with ``--baseline_workdir``
 (the same config run with 1 rank) the parallel efficiency. The work directory gets
-``config.json``, ``metrics.jsonl`` and every ``--checkpoint_every`` epochs
-``checkpoint_<epoch>.npz`` (params and batch statistics; exact resume is issue 6's).
+``config.json``, ``metrics.jsonl`` and ``checkpoints/`` (orbax, every ``--checkpoint_every``
+epochs and ``--checkpoint_steps`` steps: parameters, batch statistics, optimizer state and
+the data position). A killed run continues exactly where its newest checkpoint left off with
+``--resume``; the fail-fast checks of the digits job (abort on error, stall watchdog,
+non-finite step skipping, replica comparison after each epoch) are on here too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -47,6 +51,7 @@ import time
 
 import flax.linen as nn
 import jax
+import numpy as np
 import optax
 
 import mnjax
@@ -77,9 +82,18 @@ class Config:
   global_batch_size: int = 64
   seed: int = 0
   workdir: str = "runs/resnet-digits"
-  checkpoint_every: int = 0  # epochs; 0: never
+  checkpoint_every: int = 1  # epochs between checkpoints (<workdir>/checkpoints); 0: never
+  checkpoint_steps: int = 0  # also every N steps; 0: at epoch ends only
+  keep_checkpoints: int = 3
+  resume: bool = False  # continue from the newest intact checkpoint
+  max_consecutive_skips: int = 10  # steps with NaN/Inf gradients skipped in a row before failing
+  stall_timeout: float = 300.0  # watchdog: seconds ranks may drift apart; 0 disables it
   baseline_workdir: str = ""  # a 1-rank run of the same config, for parallel efficiency
   eval: bool = True
+
+# Fields that fix the data order and the optimizer: a resumed run must keep them.
+RESUME_SETTINGS = ("dataset", "model", "global_batch_size", "optimizer", "base_lr",
+                   "warmup_epochs", "seed", "steps_per_epoch", "image_size")
 
 CONFIGS = {
     "digits": Config(),
@@ -87,7 +101,7 @@ CONFIGS = {
                       workdir="runs/resnet18-cifar10"),
     "imagenet": Config(dataset="imagenet2012", model="resnet50", stem="imagenet",
                        epochs=90, global_batch_size=256, label_smoothing=0.1,
-                       workdir="runs/resnet50-imagenet", checkpoint_every=5),
+                       workdir="runs/resnet50-imagenet"),
     "synthetic": Config(dataset="synthetic", model="resnet50", stem="imagenet", epochs=2,
                         steps_per_epoch=10, global_batch_size=32, eval=False,
                         workdir="runs/resnet50-synthetic"),
@@ -163,12 +177,27 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   model = MODELS[config.model](num_classes=train_source.num_classes, stem=config.stem, norm=norm,
                                bn_momentum=config.bn_momentum)
   bucket = None if config.bucket_mb == 0 else int(config.bucket_mb * 2**20)
-  tx = optax.chain(mnjax.allreduce_gradients(comm, wire_dtype=config.wire_dtype,
-                                             bucket_bytes=bucket), optimizer(config, steps))
+  # After the allreduce every rank holds the same gradient, so all skip a NaN step together.
+  tx = optax.chain(
+      mnjax.allreduce_gradients(comm, wire_dtype=config.wire_dtype, bucket_bytes=bucket),
+      mnjax.skip_nonfinite(optimizer(config, steps),
+                           max_consecutive_skips=config.max_consecutive_skips))
   sample = eval_fn(train_source[0][0], None)[None]  # one preprocessed image: the input shape
   state = bn_classifier.create_state(model, tx, sample, jax.random.key(config.seed))
   state = mnjax.broadcast(state, comm, root=0)
   train_step = bn_classifier.make_train_step(comm, label_smoothing=config.label_smoothing)
+
+  zero_sums = {"loss_sum": np.float32(0), "correct": np.int32(0), "count": np.int32(0)}
+  checkpoints = mnjax.Checkpointer(
+      os.path.join(config.workdir, "checkpoints"), comm, keep=config.keep_checkpoints,
+      settings={k: getattr(config, k) for k in RESUME_SETTINGS})
+  first_epoch, first_batch, sums = 1, 0, zero_sums
+  restored = checkpoints.resume({"train": state, "sums": zero_sums}, requested=config.resume)
+  if restored is not None:
+    _, saved, meta = restored
+    first_epoch, first_batch, state = meta["epoch"], meta["batch"], saved["train"]
+    sums = saved["sums"] if comm.is_root else zero_sums  # partial sums over all ranks
+  step = int(state.step)
 
   mnjax.workdir.write_config(config.workdir, config, comm)
   log = mnjax.workdir.MetricsLog(config.workdir, comm)
@@ -177,45 +206,65 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
     print(f"mnjax: {config.model} on {config.dataset} ({len(train_source)} train examples),"
           f" {comm.size} rank(s) x {comm.local_device_count} device(s), kind {comm.kind},"
           f" global batch {config.global_batch_size}, {steps} steps/epoch,"
-          f" {'synchronized' if config.sync_bn else 'per-replica'} BN", flush=True)
+          f" {'synchronized' if config.sync_bn else 'per-replica'} BN"
+          + (f"; resuming at epoch {first_epoch}, batch {first_batch} (step {step})"
+             if step else ""), flush=True)
+
+  def save(epoch: int, batch: int) -> None:
+    partial = mnjax.allreduce_metrics(sums, comm)  # metrics are per rank, checkpoints global
+    checkpoints.save(step, {"train": state, "sums": partial}, meta={"epoch": epoch, "batch": batch})
+
   record: dict = {}
-  for epoch in range(1, config.epochs + 1):
-    sums = {"loss_sum": 0.0, "correct": 0, "count": 0}
-    waited = train_loader.wait_seconds
-    start = time.perf_counter()
-    for s, batch in enumerate(train_loader.epoch(epoch)):
-      if s == steps:
-        break
-      state, metrics = train_step(state, batch.images, batch.labels)
-      sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
-    jax.block_until_ready(state)
-    seconds = time.perf_counter() - start
-    train = mnjax.global_mean(mnjax.allreduce_metrics(sums, comm))
-    per_rank = steps * per_process / seconds
-    record = {
-        "epoch": epoch, "steps": int(state.step), "epoch_seconds": seconds,
-        "train_loss": train["loss"], "train_top1": train["correct"],
-        "images_per_second_per_rank": per_rank,
-        "images_per_second": per_rank * comm.size,
-        "input_wait_share": (train_loader.wait_seconds - waited) / seconds,
-    }
-    if baseline:
-      record["parallel_efficiency"] = per_rank / baseline
-    if test_loader is not None:
-      test = bn_classifier.evaluate(state, test_loader, comm)
-      record.update(test_loss=test["loss"], test_top1=test["correct"], test_count=test["count"])
-    log.write(**record)
-    if config.checkpoint_every and epoch % config.checkpoint_every == 0:
-      mnjax.workdir.save_params(config.workdir, {"params": state.params,
-                                                 "batch_stats": state.batch_stats},
-                                comm, name=f"checkpoint_{epoch}.npz")
-    if comm.is_root:
-      print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  top-1 {record['train_top1']:.4f}"
-            + (f"  test top-1 {record['test_top1']:.4f}" if "test_top1" in record else "")
-            + f"  {record['images_per_second']:,.1f} img/s ({per_rank:,.1f}/rank)"
-            f"  {seconds:.1f} s  input wait {record['input_wait_share']:.1%}"
-            + (f"  efficiency {record['parallel_efficiency']:.3f}" if baseline else "")
-            + ("  (includes compilation)" if epoch == 1 else ""), flush=True)
+  watchdog = mnjax.Watchdog(comm, timeout=config.stall_timeout) if config.stall_timeout else None
+  with contextlib.ExitStack() as stack:
+    stack.callback(checkpoints.close)
+    if watchdog is not None:
+      stack.enter_context(watchdog)
+    for epoch in range(first_epoch, config.epochs + 1):
+      begin = first_batch if epoch == first_epoch else 0
+      waited = train_loader.wait_seconds
+      start = time.perf_counter()
+      for i, batch in enumerate(train_loader.epoch(epoch, start=min(begin, steps)), start=begin):
+        if i >= steps:
+          break
+        if watchdog is not None:
+          watchdog.step(step)
+        state, metrics = train_step(state, batch.images, batch.labels)
+        sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
+        step += 1
+        if config.checkpoint_steps and step % config.checkpoint_steps == 0:
+          save(epoch, i + 1)
+      jax.block_until_ready(state)
+      seconds = time.perf_counter() - start
+      mnjax.check_replicas((state.params, state.batch_stats), comm)
+      train = mnjax.global_mean(mnjax.allreduce_metrics(sums, comm))
+      per_rank = (steps - begin) * per_process / seconds
+      record = {
+          "epoch": epoch, "steps": step, "epoch_seconds": seconds,
+          "train_loss": train["loss"], "train_top1": train["correct"],
+          "images_per_second_per_rank": per_rank,
+          "images_per_second": per_rank * comm.size,
+          "input_wait_share": (train_loader.wait_seconds - waited) / seconds,
+          "skipped_steps": int(state.opt_state[1].skipped),
+      }
+      if baseline:
+        record["parallel_efficiency"] = per_rank / baseline
+      if test_loader is not None:
+        test = bn_classifier.evaluate(state, test_loader, comm)
+        record.update(test_loss=test["loss"], test_top1=test["correct"], test_count=test["count"])
+      log.write(**record)
+      sums = zero_sums
+      if config.checkpoint_every and epoch % config.checkpoint_every == 0:
+        save(epoch + 1, 0)
+      if comm.is_root:
+        print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  top-1 {record['train_top1']:.4f}"
+              + (f"  test top-1 {record['test_top1']:.4f}" if "test_top1" in record else "")
+              + f"  {record['images_per_second']:,.1f} img/s ({per_rank:,.1f}/rank)"
+              f"  {seconds:.1f} s  input wait {record['input_wait_share']:.1%}"
+              + (f"  efficiency {record['parallel_efficiency']:.3f}" if baseline else "")
+              + (f"  {record['skipped_steps']} non-finite steps skipped"
+                 if record["skipped_steps"] else "")
+              + ("  (includes compilation)" if epoch == first_epoch else ""), flush=True)
   return state, record
 
 

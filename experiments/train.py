@@ -61,7 +61,7 @@ class Config:
 
 
 # Fields that fix the data order and the optimizer: a resumed run must keep them.
-_RESUME_FIXED = ("dataset", "global_batch_size", "learning_rate", "seed")
+RESUME_SETTINGS = ("dataset", "global_batch_size", "learning_rate", "seed")
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -76,32 +76,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
       parser.add_argument(f"--{field.name}", type=kind, default=field.default)
   parser.set_defaults(comm="flat")
   return Config(**vars(parser.parse_args(argv)))
-
-
-def _resume(config: Config, checkpoints: mnjax.Checkpointer, template: dict):
-  """(epoch, batch, state) to start from: the newest checkpoint with --resume, else the start.
-
-  Without --resume a directory that already holds checkpoints is refused (same error on
-  every rank): a fresh run would mix its checkpoints with the old run's."""
-  if not config.resume:
-    if checkpoints.steps():
-      raise FileExistsError(
-          f"{checkpoints.directory} already holds checkpoints (steps {checkpoints.steps()})."
-          " Pass --resume to continue that run, or choose a new --workdir; nothing was"
-          " overwritten.")
-    return 1, 0, template
-  restored = checkpoints.restore(template)
-  if restored is None:
-    return 1, 0, template
-  step, state, meta = restored
-  changed = {k: (meta["config"][k], getattr(config, k)) for k in _RESUME_FIXED
-             if meta["config"][k] != getattr(config, k)}
-  if changed:
-    raise ValueError(
-        f"--resume: the checkpoint at step {step} was written with different settings"
-        f" (saved, now): {changed}; they fix the data order and the optimizer, so resume"
-        " with the saved values or start a new --workdir.")
-  return meta["epoch"], meta["batch"], state
 
 
 def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
@@ -123,12 +97,15 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
   zero_sums = {"loss_sum": np.float32(0), "correct": np.int32(0), "count": np.int32(0)}
 
   checkpoints = mnjax.Checkpointer(
-      os.path.join(config.workdir, "checkpoints"), comm, keep=config.keep_checkpoints)
-  first_epoch, first_batch, resumed = _resume(
-      config, checkpoints, {"train": state, "sums": zero_sums})
-  state = resumed["train"]
-  # The checkpoint holds the epoch's partial metric sums over all ranks: rank 0 carries them.
-  sums = resumed["sums"] if comm.is_root else zero_sums
+      os.path.join(config.workdir, "checkpoints"), comm, keep=config.keep_checkpoints,
+      settings={k: getattr(config, k) for k in RESUME_SETTINGS})
+  first_epoch, first_batch, sums = 1, 0, zero_sums
+  restored = checkpoints.resume({"train": state, "sums": zero_sums}, requested=config.resume)
+  if restored is not None:
+    _, saved, meta = restored
+    first_epoch, first_batch, state = meta["epoch"], meta["batch"], saved["train"]
+    # The epoch's partial metric sums are saved over all ranks: rank 0 carries them on.
+    sums = saved["sums"] if comm.is_root else zero_sums
   step = int(state.step)
 
   mnjax.workdir.write_config(config.workdir, config, comm)
@@ -142,8 +119,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
 
   def save(epoch: int, batch: int) -> None:
     partial = mnjax.allreduce_metrics(sums, comm)  # metrics are per rank, checkpoints global
-    checkpoints.save(step, {"train": state, "sums": partial}, meta={
-        "epoch": epoch, "batch": batch, "config": dataclasses.asdict(config)})
+    checkpoints.save(step, {"train": state, "sums": partial}, meta={"epoch": epoch, "batch": batch})
 
   train_step = make_train_step(comm)
   record: dict = {}

@@ -86,9 +86,12 @@ class Checkpointer:
     comm: the `Communicator`.
     keep: how many of the most recent checkpoints to keep (>= 1).
     async_save: write in a background thread (rank 0); `close` waits for it.
+    settings: JSON values a resumed run must share with the saved one (e.g. the global
+      batch size and seed that fix the data order); saved with every checkpoint and
+      compared by `resume`.
 
   Example:
-    >>> ckpt = mnjax.Checkpointer("runs/x/checkpoints", comm, keep=3)
+    >>> ckpt = mnjax.Checkpointer("runs/x/checkpoints", comm, keep=3, settings={"seed": 0})
     >>> restored = ckpt.restore(state)            # None when there is nothing to resume
     >>> if restored is not None:
     ...   step, state, meta = restored
@@ -97,12 +100,13 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, comm: Communicator, *, keep: int = 3,
-               async_save: bool = True):
+               async_save: bool = True, settings: dict | None = None):
     check_communicator(comm, "Checkpointer")
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
       raise ValueError(f"Checkpointer: keep must be an int >= 1, got {keep!r}.")
     self.comm = comm
     self.directory = os.path.abspath(os.fspath(directory))
+    self.settings = dict(settings or {})
     self._manager = None
     if comm.is_root:
       import orbax.checkpoint as ocp  # noqa: PLC0415 (heavy; rank 0 only)
@@ -135,7 +139,8 @@ class Checkpointer:
     if self._manager is None:
       return
     host = jax.tree.map(_to_host, state)
-    record = {"step": step, "meta": meta or {}, "digests": _digests(host),
+    record = {"step": step, "meta": meta or {}, "settings": self.settings,
+              "digests": _digests(host),
               "signature": _signature(host)}
     args = self._ocp.args
     self._manager.save(step, args=args.Composite(
@@ -184,6 +189,7 @@ class Checkpointer:
 
     Raises:
       CorruptCheckpointError: checkpoints exist but none reads back intact.
+      ValueError: the checkpoint was saved with other ``settings``.
     """
     outcome: Any = None
     state = None
@@ -194,11 +200,38 @@ class Checkpointer:
       raise CorruptCheckpointError(outcome)
     if outcome is None:
       return None
+    changed = {k: (outcome.get("settings", {}).get(k), v) for k, v in self.settings.items()
+               if outcome.get("settings", {}).get(k) != v}
+    if changed:
+      raise ValueError(
+          f"Checkpointer.restore: checkpoint {outcome['step']} in {self.directory} was saved"
+          f" with other settings (saved, now): {changed}. Resume with the saved settings, or"
+          " start a new run in another directory.")
     if state is None:  # not rank 0: receive into buffers shaped like the saved leaves
       state = _target(template, outcome["signature"])
     state = broadcast(state, self.comm, root=0)
     state = jax.tree.map(_like, state, template)
     return outcome["step"], state, outcome["meta"]
+
+  def resume(self, template: Any, *, requested: bool) -> tuple[int, Any, dict] | None:
+    """What a training script does at start: `restore` when resuming was `requested`, and
+    refuse to start afresh over existing checkpoints otherwise (same error on every rank).
+
+    Returns:
+      `restore`'s ``(step, state, meta)``, or None to start from `template`.
+
+    Example:
+      >>> restored = ckpt.resume(state, requested=args.resume)
+      >>> step, state, meta = restored or (0, state, {"epoch": 1})
+    """
+    if requested:
+      return self.restore(template)
+    existing = self.steps()
+    if existing:
+      raise FileExistsError(
+          f"{self.directory} already holds checkpoints (steps {existing}). Pass --resume to"
+          " continue that run, or choose a new --workdir; nothing was overwritten.")
+    return None
 
   def _restore_newest(self, template: Any) -> tuple[Any, Any]:
     """Rank 0: (record, state) of the newest intact step; (None, None) with no steps, or

@@ -108,9 +108,15 @@ class Loader:
     rng = np.random.default_rng([int(self.seed), int(epoch), int(index)])
     return np.asarray(self.transform(image, rng), np.float32), label
 
-  def epoch(self, epoch: int) -> Iterator[Batch]:
-    """This rank's batches of `epoch`, prepared `prefetch` batches ahead in the background."""
-    plan = self._plan(epoch)
+  def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+    """This rank's batches of `epoch`, prepared `prefetch` batches ahead in the background.
+
+    ``start`` skips the epoch's first batches without reading them: resuming mid-epoch
+    from a checkpoint yields exactly the batches the interrupted run had not reached.
+    """
+    if not 0 <= start <= self.steps(epoch):
+      raise ValueError(f"Loader.epoch: start must be in [0, {self.steps(epoch)}], got {start}.")
+    plan = self._plan(epoch)[start:]
     ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
     stop = threading.Event()
 
