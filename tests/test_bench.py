@@ -67,3 +67,12 @@ def test_resnet_benchmark_smoke(tmp_path):
   assert all(v > 0 for v in data["images_per_second"].values())
   for key in ("overhead_size1", "communication_share", "weak_scaling_efficiency"):
     assert key in data and key in stdout
+
+
+def test_checks_benchmark_smoke(tmp_path):
+  stdout, data = run_bench("checks", ["--rounds", "1", "--steps", "2"], tmp_path)
+  assert data["ranks"] == 2
+  assert set(data["overhead"]) == {"skip_nonfinite", "default_checks", "watchdog_100x"}
+  assert all(v > 0 for v in data["seconds_per_step"].values())
+  assert data["check_replicas_seconds"] > 0
+  assert "default_checks" in stdout and "check_replicas" in stdout

@@ -1,4 +1,4 @@
-"""``python -m mnjax.bench {allreduce,step,kinds,resnet} [--options]``; ``--help`` per benchmark."""
+"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks} [--options]``; ``--help`` per benchmark."""
 
 import sys
 
@@ -7,6 +7,7 @@ BENCHMARKS = {
     "step": "mnjax.bench.step",
     "kinds": "mnjax.bench.kinds",
     "resnet": "mnjax.bench.resnet",
+    "checks": "mnjax.bench.checks",
 }
 
 

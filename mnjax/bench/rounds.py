@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import jax
 from mpi4py import MPI
@@ -12,14 +13,18 @@ from mpi4py import MPI
 __all__ = ["time_rounds"]
 
 
-def time_rounds(states: dict[str, Any], run: Callable[[Any], Any], mpi_comm: MPI.Comm, *,
-                rounds: int, steps: int) -> dict[str, float]:
+def time_rounds(states: dict[str, Any], run: Callable[[Any], Any] | dict[str, Callable],
+                mpi_comm: MPI.Comm, *, rounds: int, steps: int,
+                around: dict[str, Callable[[], ContextManager]] | None = None
+                ) -> dict[str, float]:
   """Seconds per step of each variant: median over `rounds` of the slowest rank's time.
 
   Rounds alternate between the variants so that machine noise hits them alike; a round is
   `steps` calls of ``run(state) -> state`` from the variant's state (compiled and warmed up
   by the caller), timed from a barrier to the last result, and the job moves at the pace
-  of its slowest rank.
+  of its slowest rank. `run` may be one function or one per variant; ``around[name]()``
+  gives a context entered before that variant's round starts and left after it is timed
+  (e.g. a watchdog thread that must run only during its own variant's rounds).
 
   Example:
     >>> time_rounds({"a": s0, "b": s1}, lambda s: step(s, x, y)[0], comm.mpi_comm,
@@ -28,15 +33,18 @@ def time_rounds(states: dict[str, Any], run: Callable[[Any], Any], mpi_comm: MPI
   """
   times: dict[str, list[float]] = {name: [] for name in states}
   states = dict(states)
+  runs = run if isinstance(run, dict) else dict.fromkeys(states, run)
+  around = around or {}
   for _ in range(rounds):
     for name in times:
-      state = states[name]
-      mpi_comm.Barrier()
-      start = time.perf_counter()
-      for _ in range(steps):
-        state = run(state)
-      jax.block_until_ready(state)
-      elapsed = time.perf_counter() - start
+      state, step = states[name], runs[name]
+      with around.get(name, contextlib.nullcontext)():
+        mpi_comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+          state = step(state)
+        jax.block_until_ready(state)
+        elapsed = time.perf_counter() - start
       times[name].append(mpi_comm.allreduce(elapsed, op=MPI.MAX) / steps)
       states[name] = state
   return {name: statistics.median(t) for name, t in times.items()}
