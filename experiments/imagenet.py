@@ -92,6 +92,8 @@ class Config:
   eval: bool = True
 
 # Fields that fix the data order and the optimizer: a resumed run must keep them.
+# Reading the skip counter waits for a step: every 10 steps it costs nothing measurable.
+DIVERGENCE_CHECK_EVERY = 10
 RESUME_SETTINGS = ("dataset", "model", "global_batch_size", "optimizer", "base_lr",
                    "warmup_epochs", "seed", "steps_per_epoch", "image_size")
 
@@ -180,8 +182,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   # After the allreduce every rank holds the same gradient, so all skip a NaN step together.
   tx = optax.chain(
       mnjax.allreduce_gradients(comm, wire_dtype=config.wire_dtype, bucket_bytes=bucket),
-      mnjax.skip_nonfinite(optimizer(config, steps),
-                           max_consecutive_skips=config.max_consecutive_skips))
+      mnjax.skip_nonfinite(optimizer(config, steps)))
   sample = eval_fn(train_source[0][0], None)[None]  # one preprocessed image: the input shape
   state = bn_classifier.create_state(model, tx, sample, jax.random.key(config.seed))
   state = mnjax.broadcast(state, comm, root=0)
@@ -229,7 +230,10 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
           break
         if watchdog is not None:
           watchdog.step(step)
+        previous = state
         state, metrics = train_step(state, batch.images, batch.labels)
+        if step % DIVERGENCE_CHECK_EVERY == 0:  # the previous step's counter: read while this one runs
+          mnjax.raise_if_diverging(previous.opt_state, config.max_consecutive_skips)
         sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
         step += 1
         if config.checkpoint_steps and step % config.checkpoint_steps == 0:

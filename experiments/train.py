@@ -61,6 +61,8 @@ class Config:
 
 
 # Fields that fix the data order and the optimizer: a resumed run must keep them.
+# Reading the skip counter waits for a step: every 10 steps it costs nothing measurable.
+DIVERGENCE_CHECK_EVERY = 10
 RESUME_SETTINGS = ("dataset", "global_batch_size", "learning_rate", "seed")
 
 
@@ -89,8 +91,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
       comm, wire_dtype=config.wire_dtype,
       bucket_bytes=None if config.bucket_mb == 0 else int(config.bucket_mb * 2**20))
   # After the allreduce every rank holds the same gradient, so all skip a NaN step together.
-  tx = optax.chain(allreduce, mnjax.skip_nonfinite(
-      optax.adam(config.learning_rate), max_consecutive_skips=config.max_consecutive_skips))
+  tx = optax.chain(allreduce, mnjax.skip_nonfinite(optax.adam(config.learning_rate)))
   model = SmallCNN(num_classes=train.num_classes)
   state = create_train_state(model, tx, train.images[:1], jax.random.key(config.seed))
   state = mnjax.broadcast(state, comm, root=0)
@@ -140,7 +141,10 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
         if watchdog is not None:
           watchdog.step(step)
         idx, _ = batches[i]
+        previous = state
         state, metrics = train_step(state, train.images[idx], train.labels[idx])
+        if step % DIVERGENCE_CHECK_EVERY == 0:  # the previous step's counter: read while this one runs
+          mnjax.raise_if_diverging(previous.opt_state, config.max_consecutive_skips)
         sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
         step += 1
         if config.checkpoint_steps and step % config.checkpoint_steps == 0:

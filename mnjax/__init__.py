@@ -21,7 +21,7 @@ from mnjax.consensus import check_replicas
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
 from mnjax.host_broadcast import broadcast
 from mnjax.metrics import allreduce_metrics, global_mean
-from mnjax.nonfinite import skip_nonfinite
+from mnjax.nonfinite import raise_if_diverging, skip_nonfinite
 from mnjax.parallel import data_parallel
 from mnjax.topology import KINDS, Communicator, create_communicator
 from mnjax.transforms import allreduce_gradients
@@ -58,6 +58,7 @@ __all__ = [
     "native",
     "nonfinite",
     "preflight",
+    "raise_if_diverging",
     "recipes",
     "scatter_dataset",
     "scatter_index",

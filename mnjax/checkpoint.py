@@ -28,6 +28,7 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mnjax.host_broadcast import broadcast
@@ -55,10 +56,13 @@ def _to_host(leaf: Any) -> np.ndarray:
 
 
 def _like(value: np.ndarray, template: Any) -> Any:
-  """`value` as the kind of leaf `template` is (numpy, jax array with its sharding, key)."""
+  """`value` as the kind of leaf `template` is: numpy, key, a jax array placed like the
+  template (committed to its sharding, or uncommitted when the template is)."""
   if _is_key(template):
     return jax.random.wrap_key_data(value, impl=jax.random.key_impl(template))
   if isinstance(template, jax.Array):
+    if not template.committed:  # free to follow the step's sharding, like a fresh array
+      return jnp.asarray(value)
     if template.is_fully_addressable:
       return jax.device_put(value, template.sharding)
     return jax.make_array_from_callback(value.shape, template.sharding, lambda i: value[i])
@@ -111,13 +115,15 @@ class Checkpointer:
     if comm.is_root:
       import orbax.checkpoint as ocp  # noqa: PLC0415 (heavy; rank 0 only)
 
+      # Under jax.distributed (kind 'xla') orbax would wait for every process: rank 0 alone.
       multiprocessing = (ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
                          if jax.process_count() > 1 else ocp.options.MultiprocessingOptions())
+      os.makedirs(self.directory, exist_ok=True)
       self._ocp = ocp
       self._manager = ocp.CheckpointManager(
           self.directory,
           options=ocp.CheckpointManagerOptions(
-              max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+              max_to_keep=keep, create=False, enable_async_checkpointing=async_save,
               cleanup_tmp_directories=True, multiprocessing_options=multiprocessing))
 
   # -- save ----------------------------------------------------------------------------------

@@ -40,9 +40,17 @@ def test_sigkill_of_rank_1_ends_the_job(mpi_args):
   assert "finished" not in result.stdout
 
 
-def test_sigkill_of_rank_0_is_noticed_by_the_others():
-  # The launcher keeps rank 1 running: its watchdog must notice rank 0's silence.
-  result, seconds = run_fault("kill_root", KEEP_RUNNING)
+@pytest.mark.parametrize("mpi_args", [(), KEEP_RUNNING], ids=["mpirun", "no-auto-cleanup"])
+def test_sigkill_of_rank_0_ends_the_job(mpi_args):
+  result, seconds = run_fault("kill_root", mpi_args)
+  assert result.returncode != 0, result.stdout
+  assert seconds < 30
+  assert "finished" not in result.stdout
+
+
+def test_a_silent_rank_0_is_noticed_by_the_others():
+  # Rank 0 stops (SIGSTOP): alive, so no launcher ends the job; rank 1's watchdog must.
+  result, seconds = run_fault("stop_root", KEEP_RUNNING)
   assert result.returncode != 0, result.stdout
   assert seconds < 30
   assert re.search(r"mnjax watchdog: rank 1 has not heard from rank 0 for \d+ s \(this rank is"

@@ -75,6 +75,10 @@ def damage(directory: Path, step: int, how: str) -> None:
   target.write_bytes(bytes(data))
 
 
+# A restore that fails half-way (truncated file) leaves tensorstore reads in flight whose
+# completions then find orbax's asyncio loop closed ("Event loop is closed", printed from a
+# tensorstore thread): upstream noise after the failure mnjax catches, not a failure of it.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(comm, tmp_path, capfd, how):
   directory = tmp_path / "ckpt"

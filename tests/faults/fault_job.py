@@ -1,7 +1,8 @@
 """A small 2-rank training loop that fails on purpose: ``python fault_job.py MODE``.
 
 Modes: ``ok``; ``raise`` (rank 1 raises at step 3); ``kill`` / ``kill_root`` (rank 1 / rank 0
-SIGKILLs itself at step 3); ``stall`` (rank 1 sleeps at step 3); ``root_lingers`` /
+SIGKILLs itself at step 3); ``stop_root`` (rank 0 SIGSTOPs itself at step 3: alive, silent);
+``stall`` (rank 1 sleeps at step 3); ``root_lingers`` /
 ``worker_lingers`` (rank 0 / rank 1 keeps its watchdog running alone, after the other rank
 stopped its own, for longer than the watchdog's timeouts: a normal end, not a stall). The watchdog runs with
 short timeouts so that tests/test_failfast.py finishes quickly.
@@ -41,6 +42,8 @@ def main(mode: str) -> None:
           raise RuntimeError("injected failure on rank 1")
         if mode == "kill" and comm.rank == 1 or mode == "kill_root" and comm.rank == 0:
           os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "stop_root" and comm.rank == 0:  # alive but silent: no launcher notices
+          os.kill(os.getpid(), signal.SIGSTOP)
         if mode == "stall" and comm.rank == 1:
           time.sleep(120)
       params, opt_state = step(params, opt_state)
