@@ -211,7 +211,12 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
           + (f"; resuming at epoch {first_epoch}, batch {first_batch} (step {step})"
              if step else ""), flush=True)
 
+  saved = [step]  # the step of the newest checkpoint; an epoch's end may coincide with it
+
   def save(epoch: int, batch: int) -> None:
+    if saved[0] == step:
+      return
+    saved[0] = step
     partial = mnjax.allreduce_metrics(sums, comm)  # metrics are per rank, checkpoints global
     checkpoints.save(step, {"train": state, "sums": partial}, meta={"epoch": epoch, "batch": batch})
 

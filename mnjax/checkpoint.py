@@ -129,7 +129,8 @@ class Checkpointer:
   # -- save ----------------------------------------------------------------------------------
 
   def save(self, step: int, state: Any, *, meta: dict | None = None) -> None:
-    """Saves `state` as checkpoint `step` (collective; rank 0 writes).
+    """Saves `state` as checkpoint `step` (collective; rank 0 writes). An existing
+    checkpoint of the same step (say, one a restore skipped as damaged) is replaced.
 
     Args:
       step: the global step count (equal on every rank, or `ValueError` on every rank).
@@ -149,7 +150,11 @@ class Checkpointer:
               "digests": _digests(host),
               "signature": _signature(host)}
     args = self._ocp.args
-    self._manager.save(step, args=args.Composite(
+    self._manager.wait_until_finished()
+    if step in self._manager.all_steps():  # left by an earlier attempt (e.g. one skipped as damaged)
+      self._manager.delete(step)
+    # force: orbax would otherwise skip, without a word, any step not newer than its latest.
+    self._manager.save(step, force=True, args=args.Composite(
         state=args.StandardSave(host), record=args.JsonSave(record)))
 
   def wait(self) -> None:

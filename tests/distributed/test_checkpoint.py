@@ -99,6 +99,23 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(comm, tmp_path, ca
       ckpt.restore(big)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_run_resumed_past_a_damaged_step_saves_that_step_again(comm, tmp_path):
+  # Orbax alone would skip saving any step not newer than its latest, without a word.
+  directory = tmp_path / "ckpt"
+  with mnjax.Checkpointer(directory, comm) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, {"w": jnp.full(64, float(step))})
+    ckpt.wait()
+    if comm.rank == 0:
+      damage(directory, 2, "flip")
+    assert ckpt.restore({"w": jnp.zeros(64)})[0] == 1
+    ckpt.save(2, {"w": jnp.full(64, 20.0)})  # the resumed run reaches step 2 again
+    ckpt.wait()
+    step, state, _ = ckpt.restore({"w": jnp.zeros(64)})
+  assert step == 2 and float(state["w"][0]) == 20.0
+
+
 def test_restoring_into_a_different_tree_is_refused(comm, tmp_path):
   with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
     ckpt.save(1, {"w": jnp.ones(3)})
