@@ -35,7 +35,7 @@ def test_step_benchmark_smoke(tmp_path):
 def test_unknown_benchmark_is_a_clear_error():
   result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds, resnet}" in result.stderr
+  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks}" in result.stderr
 
 
 def test_kinds_benchmark_smoke(tmp_path):
