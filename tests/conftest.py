@@ -5,12 +5,16 @@
 """
 
 import os
+import tempfile
 
 # Before jax is imported: two CPU devices per process (so the multi-device kinds run as
 # 1 x 2 here and as 2 x 2 and 3 x 2 under tests/test_mpirun.py, which inherits this), quiet
 # logs. `flat` uses the first device only.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One persistent compilation cache for the whole run, inherited by every mpirun job it
+# launches: the ResNet jobs compile the same steps several times (start, resume).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mnjax-jax-cache-"))
 
 import pytest  # noqa: E402
 
