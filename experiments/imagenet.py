@@ -94,6 +94,8 @@ class Config:
 # Fields that fix the data order and the optimizer: a resumed run must keep them.
 # Reading the skip counter waits for a step: every 10 steps it costs nothing measurable.
 DIVERGENCE_CHECK_EVERY = 10
+# The train step's metric sums, zero (checkpoints hold an epoch's partial sums).
+ZERO_SUMS = {"loss_sum": np.float32(0), "correct": np.int32(0), "count": np.int32(0)}
 RESUME_SETTINGS = ("dataset", "model", "global_batch_size", "optimizer", "base_lr",
                    "warmup_epochs", "seed", "steps_per_epoch", "image_size")
 
@@ -188,16 +190,10 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   state = mnjax.broadcast(state, comm, root=0)
   train_step = bn_classifier.make_train_step(comm, label_smoothing=config.label_smoothing)
 
-  zero_sums = {"loss_sum": np.float32(0), "correct": np.int32(0), "count": np.int32(0)}
-  checkpoints = mnjax.Checkpointer(
-      os.path.join(config.workdir, "checkpoints"), comm, keep=config.keep_checkpoints,
-      settings={k: getattr(config, k) for k in RESUME_SETTINGS})
-  first_epoch, first_batch, sums = 1, 0, zero_sums
-  restored = checkpoints.resume({"train": state, "sums": zero_sums}, requested=config.resume)
-  if restored is not None:
-    _, saved, meta = restored
-    first_epoch, first_batch, state = meta["epoch"], meta["batch"], saved["train"]
-    sums = saved["sums"] if comm.is_root else zero_sums  # partial sums over all ranks
+  checkpoints = mnjax.LoopCheckpoints(
+      os.path.join(config.workdir, "checkpoints"), comm, resume=config.resume,
+      keep=config.keep_checkpoints, settings={k: getattr(config, k) for k in RESUME_SETTINGS})
+  state, sums, first_epoch, first_batch = checkpoints.start(state, ZERO_SUMS)
   step = int(state.step)
 
   mnjax.workdir.write_config(config.workdir, config, comm)
@@ -210,15 +206,6 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
           f" {'synchronized' if config.sync_bn else 'per-replica'} BN"
           + (f"; resuming at epoch {first_epoch}, batch {first_batch} (step {step})"
              if step else ""), flush=True)
-
-  saved = [step]  # the step of the newest checkpoint; an epoch's end may coincide with it
-
-  def save(epoch: int, batch: int) -> None:
-    if saved[0] == step:
-      return
-    saved[0] = step
-    partial = mnjax.allreduce_metrics(sums, comm)  # metrics are per rank, checkpoints global
-    checkpoints.save(step, {"train": state, "sums": partial}, meta={"epoch": epoch, "batch": batch})
 
   record: dict = {}
   watchdog = mnjax.Watchdog(comm, timeout=config.stall_timeout) if config.stall_timeout else None
@@ -242,7 +229,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
         sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
         step += 1
         if config.checkpoint_steps and step % config.checkpoint_steps == 0:
-          save(epoch, i + 1)
+          checkpoints.save(step, state, sums, epoch, i + 1)
       jax.block_until_ready(state)
       seconds = time.perf_counter() - start
       mnjax.check_replicas((state.params, state.batch_stats), comm)
@@ -262,9 +249,9 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
         test = bn_classifier.evaluate(state, test_loader, comm)
         record.update(test_loss=test["loss"], test_top1=test["correct"], test_count=test["count"])
       log.write(**record)
-      sums = zero_sums
+      sums = ZERO_SUMS
       if config.checkpoint_every and epoch % config.checkpoint_every == 0:
-        save(epoch + 1, 0)
+        checkpoints.save(step, state, sums, epoch + 1, 0)
       if comm.is_root:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  top-1 {record['train_top1']:.4f}"
               + (f"  test top-1 {record['test_top1']:.4f}" if "test_top1" in record else "")

@@ -63,6 +63,8 @@ class Config:
 # Fields that fix the data order and the optimizer: a resumed run must keep them.
 # Reading the skip counter waits for a step: every 10 steps it costs nothing measurable.
 DIVERGENCE_CHECK_EVERY = 10
+# The train step's metric sums, zero (checkpoints hold an epoch's partial sums).
+ZERO_SUMS = {"loss_sum": np.float32(0), "correct": np.int32(0), "count": np.int32(0)}
 RESUME_SETTINGS = ("dataset", "global_batch_size", "learning_rate", "seed")
 
 
@@ -95,18 +97,11 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
   model = SmallCNN(num_classes=train.num_classes)
   state = create_train_state(model, tx, train.images[:1], jax.random.key(config.seed))
   state = mnjax.broadcast(state, comm, root=0)
-  zero_sums = {"loss_sum": np.float32(0), "correct": np.int32(0), "count": np.int32(0)}
 
-  checkpoints = mnjax.Checkpointer(
-      os.path.join(config.workdir, "checkpoints"), comm, keep=config.keep_checkpoints,
-      settings={k: getattr(config, k) for k in RESUME_SETTINGS})
-  first_epoch, first_batch, sums = 1, 0, zero_sums
-  restored = checkpoints.resume({"train": state, "sums": zero_sums}, requested=config.resume)
-  if restored is not None:
-    _, saved, meta = restored
-    first_epoch, first_batch, state = meta["epoch"], meta["batch"], saved["train"]
-    # The epoch's partial metric sums are saved over all ranks: rank 0 carries them on.
-    sums = saved["sums"] if comm.is_root else zero_sums
+  checkpoints = mnjax.LoopCheckpoints(
+      os.path.join(config.workdir, "checkpoints"), comm, resume=config.resume,
+      keep=config.keep_checkpoints, settings={k: getattr(config, k) for k in RESUME_SETTINGS})
+  state, sums, first_epoch, first_batch = checkpoints.start(state, ZERO_SUMS)
   step = int(state.step)
 
   mnjax.workdir.write_config(config.workdir, config, comm)
@@ -117,15 +112,6 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
           f" {len(test)} test examples"
           + (f"; resuming at epoch {first_epoch}, batch {first_batch} (step {step})"
              if step else ""))
-
-  saved = [step]  # the step of the newest checkpoint; an epoch's end may coincide with it
-
-  def save(epoch: int, batch: int) -> None:
-    if saved[0] == step:
-      return
-    saved[0] = step
-    partial = mnjax.allreduce_metrics(sums, comm)  # metrics are per rank, checkpoints global
-    checkpoints.save(step, {"train": state, "sums": partial}, meta={"epoch": epoch, "batch": batch})
 
   train_step = make_train_step(comm)
   record: dict = {}
@@ -153,7 +139,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
         sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
         step += 1
         if config.checkpoint_steps and step % config.checkpoint_steps == 0:
-          save(epoch, i + 1)
+          checkpoints.save(step, state, sums, epoch, i + 1)
       jax.block_until_ready(state)
       seconds = time.perf_counter() - start
       mnjax.check_replicas(state.params, comm)  # replicas still bitwise identical?
@@ -180,8 +166,8 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
               + (f"  {record['skipped_steps']} non-finite steps skipped"
                  if record["skipped_steps"] else "")
               + ("  (includes compilation)" if epoch == first_epoch else ""), flush=True)
-      sums = zero_sums
-      save(epoch + 1, 0)
+      sums = ZERO_SUMS
+      checkpoints.save(step, state, sums, epoch + 1, 0)
   if not record:  # resumed a finished run: report where it ended
     test_metrics = evaluate(state, test.images, test.labels, comm, config.global_batch_size)
     record = {"epoch": first_epoch - 1, "test_accuracy": test_metrics["correct"],

@@ -12,14 +12,16 @@ for a size-1 communicator.
 """
 
 from mnjax import (
-    accumulation, batch_norm, checkpoint, collectives, consensus, data, datasets, failfast, metrics,
-    native, nonfinite, preflight, recipes, topology, watchdog, wire, workdir)
+    accumulation, batch_norm, checkpoint, collectives, consensus, data, datasets, failfast,
+    loop_checkpoints, metrics, native, nonfinite, preflight, recipes, topology, watchdog, wire,
+    workdir)
 from mnjax.accumulation import accumulate_gradients
 from mnjax.batch_norm import SyncBatchNorm, allreduce_persistent
 from mnjax.checkpoint import Checkpointer, CorruptCheckpointError
 from mnjax.consensus import check_replicas
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
 from mnjax.host_broadcast import broadcast
+from mnjax.loop_checkpoints import LoopCheckpoints
 from mnjax.metrics import allreduce_metrics, global_mean
 from mnjax.nonfinite import raise_if_diverging, skip_nonfinite
 from mnjax.parallel import data_parallel
@@ -35,6 +37,7 @@ __all__ = [
     "CorruptCheckpointError",
     "SyncBatchNorm",
     "KINDS",
+    "LoopCheckpoints",
     "accumulate_gradients",
     "accumulation",
     "allreduce_persistent",
@@ -54,6 +57,7 @@ __all__ = [
     "failfast",
     "global_mean",
     "local_batch_size",
+    "loop_checkpoints",
     "metrics",
     "native",
     "nonfinite",
