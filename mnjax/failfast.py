@@ -19,14 +19,10 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
 
 from mpi4py import MPI
 
 __all__ = ["abort", "install", "installed"]
-
-_state: dict[str, Any] = {"previous": None}
-
 
 #: Seconds between printing the error and aborting: ranks that fail at the same point (bad
 #: input is usually seen by all) get to print their own message before the job ends.
@@ -69,7 +65,6 @@ def install() -> None:
     return
   if threading.current_thread() is not threading.main_thread():
     raise RuntimeError("mnjax.failfast.install must be called from the main thread.")
-  _state["previous"] = sys.excepthook
   sys.excepthook = _hook
 
 
