@@ -14,9 +14,12 @@ import mnjax
 
 # A restore that fails half-way (a damaged file) leaves tensorstore reads in flight whose
 # completions later find orbax's asyncio loop closed ("Event loop is closed", raised in a
-# tensorstore thread, possibly while a later test runs): upstream noise after the failure
-# mnjax catches and reports, not a failure of it.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+# tensorstore thread or when the pending future is collected, possibly while a later test
+# runs): upstream noise after the failure mnjax catches and reports, not a failure of it.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 
 def make_state(scale=1.0):
