@@ -5,6 +5,7 @@
 """
 
 import os
+import shutil
 import tempfile
 
 # Before jax is imported: two CPU devices per process (so the multi-device kinds run as
@@ -19,6 +20,31 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mnja
 import pytest  # noqa: E402
 
 import mnjax  # noqa: E402
+
+
+def _mpi_rank() -> str | None:
+  """This process's rank when an MPI launcher started it (MPICH/Hydra, Open MPI, Slurm)."""
+  for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+    if name in os.environ:
+      return os.environ[name]
+  return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+  # Under mpirun every rank is its own pytest session, and by default all of them share
+  # /tmp/pytest-of-<user>/: at the end each rank prunes the old numbered directories there
+  # and they race (one rank fails with "Directory not empty"). Each rank gets its own base.
+  rank = _mpi_rank()
+  if rank is not None and config.option.basetemp is None:
+    config.option.basetemp = tempfile.mkdtemp(prefix=f"pytest-rank{rank}-")
+    config._mnjax_rank_basetemp = config.option.basetemp
+
+
+def pytest_unconfigure(config):
+  base = getattr(config, "_mnjax_rank_basetemp", None)
+  if base is not None:
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
