@@ -1,0 +1,25 @@
+"""A calibrated alpha-beta cost model of data-parallel training, validated on published runs.
+
+No machine here has more than two cores; the road to 128-1024 GPUs is this model:
+
+* `hardware`: links (InfiniBand FDR-NDR, 10-100 GbE, NVLink 1-5, PCIe) and cluster presets;
+* `allreduce`: ring, recursive halving/doubling, hierarchical and two-dimensional allreduce,
+  and the time of each mnjax communicator kind;
+* `step`: step time with or without overlap (backward, double buffering), wire dtype and
+  bucketing, and weak-scaling efficiency;
+* `published`: the published points the model must reproduce before it predicts;
+* `calibrate`: link and software overhead fitted to ``python -m mnjax.bench allreduce``.
+
+    >>> from mnjax import costmodel as cm
+    >>> c = cm.hardware.cluster("mn_1", gpus=1024)
+    >>> w = cm.step.RESNET50.replace(compute=0.1)
+    >>> round(cm.step.efficiency(w, c, "two_dimensional"), 2)
+    0.76
+"""
+
+from mnjax.costmodel import allreduce, calibrate, hardware, published, step
+from mnjax.costmodel.hardware import Cluster, Link
+from mnjax.costmodel.step import Software, StepTime, Workload, efficiency, step_time
+
+__all__ = ["Cluster", "Link", "Software", "StepTime", "Workload", "allreduce", "calibrate",
+           "efficiency", "hardware", "published", "step", "step_time"]

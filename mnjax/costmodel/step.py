@@ -1,0 +1,154 @@
+"""Step time and parallel efficiency of data-parallel training from the allreduce model.
+
+A step computes (forward + backward + update, `Workload.compute` seconds at a fixed batch per
+GPU: weak scaling) and allreduces the gradient in buckets. How much of the communication
+shows in the step depends on `overlap`:
+
+* ``"none"``: after the backward pass (ChainerMN 2017, mnjax's default jitted step on MPI):
+  ``compute + comm``;
+* ``"backward"``: each bucket starts as soon as the backward pass has produced it (Horovod,
+  PyTorch DDP, Goyal et al.): buckets become ready evenly over the backward pass and go out
+  one after another; what is left after the backward pass shows;
+* ``"double_buffering"``: step t's gradient travels during step t+1 and the optimizer
+  applies it one step late (ChainerMN v1.2+): ``max(compute, comm)``.
+
+Overlapped communication is not free: it competes with the computation for memory
+bandwidth, PCIe, SMs and host CPU. ``interference`` is the fraction of the overlapped
+communication time that still adds to the step (0: perfect overlap).
+
+Parallel efficiency is weak-scaling efficiency: the step time of one GPU alone (no
+communication at all) over the step time on p GPUs, or against a reference GPU count.
+
+    >>> from mnjax.costmodel import hardware as hw, step
+    >>> w = step.RESNET50
+    >>> c = hw.cluster("h200_ndr", gpus=1024)
+    >>> round(step.efficiency(w.replace(compute=0.1), c, "two_dimensional"), 3)
+    0.989
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mnjax.costmodel.allreduce import kind_time
+from mnjax.costmodel.hardware import Cluster
+
+OVERLAPS = ("none", "backward", "double_buffering")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """A model's gradient (`params` elements) and one GPU's step time without communication."""
+
+  name: str
+  params: int
+  compute: float
+  batch_per_gpu: int = 32
+  backward_share: float = 2 / 3  # backward ~ 2x forward: the usual FLOP count for convnets
+
+  def __post_init__(self):
+    if self.params < 1 or self.compute <= 0 or not 0 < self.backward_share <= 1:
+      raise ValueError(f"Workload {self.name!r}: need params >= 1, compute > 0 and "
+                       f"0 < backward_share <= 1; got {self.params}, {self.compute}, "
+                       f"{self.backward_share}")
+
+  def replace(self, **changes) -> Workload:
+    return dataclasses.replace(self, **changes)
+
+
+# Parameter counts: torchvision/flax ResNet-50 and ResNet-101 (ImageNet, 1000 classes).
+# Compute times are placeholders here; published cases set their own (mnjax.costmodel.published).
+RESNET50 = Workload("ResNet-50", 25_557_032, compute=0.25)
+RESNET101 = Workload("ResNet-101", 44_549_160, compute=0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Software:
+  """What the implementation adds to the links: ``per_call`` seconds per allreduce call
+  (launch, synchronization) and the packing of leaves into buckets and back, two passes over
+  the gradient at ``pack_bandwidth`` bytes/s (None: free)."""
+
+  per_call: float = 0.0
+  pack_bandwidth: float | None = None
+
+  def pack_time(self, nbytes: float) -> float:
+    return 0.0 if self.pack_bandwidth is None else 2 * nbytes / self.pack_bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  compute: float     # the GPU's own work
+  comm: float        # every allreduce call of the step, back to back
+  exposed: float     # what the step waits for beyond `compute`
+
+  @property
+  def total(self) -> float:
+    return self.compute + self.exposed
+
+
+def buckets(nbytes: float, bucket_bytes: float | None) -> list[float]:
+  """Sizes of the buckets a gradient of `nbytes` travels in (one when `bucket_bytes` is None)."""
+  if bucket_bytes is None or bucket_bytes >= nbytes:
+    return [nbytes]
+  full, rest = divmod(nbytes, bucket_bytes)
+  return [float(bucket_bytes)] * int(full) + ([rest] if rest else [])
+
+
+def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
+              bucket_bytes: float | None = None, overlap: str = "none",
+              interference: float = 0.0, software: Software = Software(),
+              flat: str = "halving_doubling") -> StepTime:
+  """The modelled step of `w` on every GPU of `c` with communicator `kind`.
+
+  `wire_bytes`: bytes per gradient element on the wire (4: float32, 2: bf16/fp16 wire).
+  """
+  if overlap not in OVERLAPS:
+    raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
+  if wire_bytes not in (1, 2, 4, 8):
+    raise ValueError(f"wire_bytes must be 1, 2, 4 or 8, got {wire_bytes!r}")
+  if not 0 <= interference <= 1:
+    raise ValueError(f"interference must be in [0, 1], got {interference!r}")
+  if c.gpus == 1:
+    return StepTime(w.compute, 0.0, 0.0)
+  nbytes = w.params * wire_bytes
+  sizes = buckets(nbytes, bucket_bytes)
+  times = [kind_time(kind, b, c, flat=flat) + software.per_call + software.pack_time(b)
+           for b in sizes]
+  comm = sum(times)
+  if overlap == "none":
+    return StepTime(w.compute, comm, comm)
+  if overlap == "double_buffering":
+    hidden = min(comm, w.compute)
+    total = max(w.compute + interference * hidden, comm)
+    return StepTime(w.compute, comm, total - w.compute)
+  backward = w.compute * w.backward_share
+  start_backward = w.compute - backward  # the update's share is small; folded into forward
+  done, clock = 0.0, 0.0
+  for size, t in zip(sizes, times):
+    done += size
+    ready = start_backward + backward * done / nbytes
+    clock = max(clock, ready) + t
+  hidden = comm - max(0.0, clock - w.compute)
+  return StepTime(w.compute, comm, max(0.0, clock - w.compute) + interference * hidden)
+
+
+def efficiency(w: Workload, c: Cluster, kind: str, *, reference: int = 1, **options) -> float:
+  """Weak-scaling efficiency on `c` against `reference` GPUs of the same nodes:
+  ``step(reference) / step(c)`` (1 GPU: no communication at all)."""
+  base = step_time(w, c.with_gpus(reference), kind if reference > c.gpus_per_node else
+                   _local_kind(kind), **options)
+  return base.total / step_time(w, c, kind, **options).total
+
+
+def _local_kind(kind: str) -> str:
+  """Within one node every kind reduces over the node's links only."""
+  return "flat" if kind == "flat" else "single_node"
+
+
+def scaling(w: Workload, c: Cluster, kinds, gpus, **options) -> dict[str, list[float]]:
+  """Efficiency of each kind at each GPU count (`gpus`: multiples of the node size, or fewer)."""
+  return {k: [efficiency(w, c.with_gpus(p), k, **options) for p in gpus] for k in kinds}
+
+
+def images_per_second(w: Workload, c: Cluster, kind: str, **options) -> float:
+  return c.gpus * w.batch_per_gpu / step_time(w, c, kind, **options).total

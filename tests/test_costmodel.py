@@ -1,0 +1,182 @@
+"""The cost model: published points first (validation), then the properties any alpha-beta
+allreduce model must have, then calibration from the benchmark's JSON."""
+
+import dataclasses
+import doctest
+import json
+from pathlib import Path
+
+import pytest
+
+from mnjax import costmodel as cm
+from mnjax.costmodel import allreduce as ar, calibrate, hardware as hw, published, step
+
+REPO = Path(__file__).resolve().parent.parent
+N_R50 = step.RESNET50.params * 4
+
+
+@pytest.mark.parametrize("case", published.CASES, ids=lambda c: c.name.split(",")[0] + ":" + c.published)
+def test_published_point_is_reproduced(case):
+  predicted = case.predict()
+  assert case.low <= predicted <= case.high, (
+      f"{case.name}: predicted {predicted:.3f}, published {case.published} "
+      f"(tolerance {case.low}-{case.high}); inputs: {case.inputs}")
+
+
+def test_chainermn_point_holds_over_the_assumed_compute_range():
+  # The one assumed input of the ChainerMN case, over the whole 70-100 img/s range: the
+  # prediction stays within two points of the published range.
+  for compute in (0.32, 0.37, 0.46):
+    assert 0.78 <= published.chainermn_2017(compute) <= 0.92, compute
+
+
+def test_validation_rows_report_every_case():
+  rows = published.validate()
+  assert [r.name for r in rows] == [c.name for c in published.CASES]
+  assert all(r.ok for r in rows)
+
+
+@pytest.mark.parametrize("p", [2, 3, 8, 64, 1024])
+def test_ring_bandwidth_term_approaches_2_p_minus_1_over_p_n_over_b(p):
+  link = hw.IB_EDR
+  c = hw.Cluster("one switch", 1, p, link, link)
+  for nbytes in (1e8, 1e10, 1e12):
+    bound = ar.ring_bandwidth_term(nbytes, p, link)
+    assert bound == pytest.approx(2 * (p - 1) / p * nbytes / link.bandwidth)
+    # The rest is exactly the latency term, so the ratio tends to 1 as n grows.
+    assert ar.ring(nbytes, c) - bound == pytest.approx(2 * (p - 1) * link.latency, rel=1e-6)
+  assert ar.ring(1e13, c) / ar.ring_bandwidth_term(1e13, p, link) == pytest.approx(1, rel=1e-5)
+  # Without latency it is the bound itself, for any size.
+  c0 = hw.Cluster("ideal", 1, p, dataclasses.replace(link, latency=0.0), link)
+  assert ar.ring(1e6, c0) == pytest.approx(ar.ring_bandwidth_term(1e6, p, link))
+
+
+def test_halving_doubling_has_the_same_bandwidth_term_and_log_latency():
+  link = dataclasses.replace(hw.IB_HDR, latency=0.0)
+  for p in (2, 16, 1024):
+    c = hw.Cluster("one switch", 1, p, link, link)
+    assert ar.halving_doubling(1e9, c) == pytest.approx(ar.ring_bandwidth_term(1e9, p, link))
+  c = hw.Cluster("one switch", 1, 1024, hw.IB_HDR, hw.IB_HDR)
+  assert ar.halving_doubling(8, c) < ar.ring(8, c) / 50  # 20 latencies against 2046
+
+
+KINDS = ("flat", "hierarchical", "two_dimensional", "xla")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("overlap", step.OVERLAPS)
+def test_efficiency_is_monotone_in_link_bandwidth(kind, overlap):
+  w = step.RESNET50.replace(compute=0.1)
+  base = hw.cluster("mn_1", gpus=256)
+  rates = (1, 10, 25, 50, 100, 200, 400, 800)
+  inter = [step.efficiency(w, dataclasses.replace(base, inter=dataclasses.replace(
+      base.inter, gbps=g)), kind, overlap=overlap) for g in rates]
+  intra = [step.efficiency(w, dataclasses.replace(base, intra=dataclasses.replace(
+      base.intra, gbps=g)), kind, overlap=overlap) for g in rates]
+  for effs in (inter, intra):
+    assert all(a <= b + 1e-12 for a, b in zip(effs, effs[1:])), effs
+    assert all(0 < e <= 1 for e in effs)
+  assert inter[0] < inter[-1]  # the network matters at 32 nodes
+
+
+@pytest.mark.parametrize("nodes", [2, 4, 16, 128])
+@pytest.mark.parametrize("network", [hw.ETH_10G, hw.ETH_25G, hw.IB_FDR])
+def test_hierarchical_beats_flat_ring_when_the_network_is_the_bottleneck(nodes, network):
+  c = hw.Cluster("NVLink nodes", nodes, 8, hw.NVLINK3, network)
+  assert ar.hierarchical(N_R50, c) < ar.ring(N_R50, c)
+  w = step.RESNET50.replace(compute=0.1)
+  assert step.efficiency(w, c, "hierarchical") > step.efficiency(w, c, ar.ring)
+
+
+def test_flat_ring_beats_hierarchical_when_the_node_is_the_bottleneck():
+  # The converse, so the property above is about the bottleneck and not built in.
+  c = hw.Cluster("PCIe nodes, fast network", 4, 8, hw.PCIE3, hw.IB_NDR)
+  assert ar.ring(N_R50, c) < ar.hierarchical(N_R50, c)
+
+
+def test_two_dimensional_uses_every_nic():
+  one = hw.Cluster("1 NIC", 16, 8, hw.NVLINK4, hw.IB_NDR, nics=1)
+  eight = dataclasses.replace(one, nics=8)
+  assert ar.two_dimensional(N_R50, eight) < ar.two_dimensional(N_R50, one) / 4
+  # hierarchical crosses on one NIC: more NICs do not help it.
+  assert ar.hierarchical(N_R50, eight) == pytest.approx(ar.hierarchical(N_R50, one))
+
+
+def test_wire_dtype_bucketing_and_overlap_shape_the_step():
+  w = step.RESNET50.replace(compute=0.1)
+  c = hw.cluster("horovod_25gbe")
+  fp32 = step.step_time(w, c, "xla")
+  fp16 = step.step_time(w, c, "xla", wire_bytes=2)
+  # Half the bytes: half the bandwidth term; the latency term stays.
+  latency = step.step_time(w.replace(params=1), c, "xla").comm
+  assert fp16.comm - latency == pytest.approx((fp32.comm - latency) / 2, rel=1e-3)
+  assert fp32.exposed == fp32.comm and fp32.total == w.compute + fp32.comm
+  back = step.step_time(w, c, "xla", overlap="backward", bucket_bytes=32 << 20)
+  double = step.step_time(w, c, "xla", overlap="double_buffering")
+  assert double.total == pytest.approx(max(w.compute, double.comm))
+  assert double.total <= back.total < fp32.total + 1e-9
+  worse = step.step_time(w, c, "xla", overlap="backward", bucket_bytes=32 << 20,
+                         interference=0.5)
+  assert worse.total > back.total
+  # Smaller buckets: more calls, so more latency when nothing overlaps.
+  many = step.step_time(w, c, "xla", bucket_bytes=1 << 16)
+  assert many.comm > fp32.comm
+  assert step.buckets(10, 4) == [4, 4, 2] and step.buckets(10, None) == [10]
+  assert step.step_time(w, c.with_gpus(1), "xla").total == w.compute
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+  with pytest.raises(ValueError, match="efficiency"):
+    hw.Link("x", 10, 1.5, 0)
+  with pytest.raises(ValueError, match="multiple of 8"):
+    hw.cluster("mn_1", gpus=12)
+  with pytest.raises(ValueError, match="presets: chainermn_2017"):
+    hw.cluster("nope")
+  with pytest.raises(ValueError, match="kinds: flat"):
+    ar.kind_time("ring_of_fire", 1e6, hw.cluster("mn_1"))
+  with pytest.raises(ValueError, match="overlap must be"):
+    step.step_time(step.RESNET50, hw.cluster("mn_1"), "flat", overlap="sometimes")
+  with pytest.raises(ValueError, match="one node"):
+    ar.kind_time("single_node", 1e6, hw.cluster("mn_1", gpus=16))
+
+
+def _synthetic_bench(alpha, bandwidth, ranks, per_call, pack_bw):
+  c = hw.Cluster("synthetic", 1, ranks, hw.Link("s", bandwidth * 8 / 1e9, 1.0, alpha),
+                 hw.Link("s", bandwidth * 8 / 1e9, 1.0, alpha))
+  sizes = [4, 64, 1024, 1 << 14, 1 << 18, 1 << 20, 1 << 24, 1 << 26, 1 << 27]
+  sweep = [{"bytes": n, "seconds": {"raw_mpi": ar.ring(n, c),
+                                    "mnjax_fp32": ar.ring(n, c) + per_call}} for n in sizes]
+  fused = ar.ring(N_R50, c)
+  return {"mpi": {"ranks": ranks, "sweep": sweep, "resnet50": {
+      "raw_mpi_fused": fused, "mnjax_fused": fused + per_call + 2 * N_R50 / pack_bw}}}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_calibration_recovers_known_alpha_beta_and_overheads(ranks):
+  data = _synthetic_bench(alpha=3e-6, bandwidth=5e9, ranks=ranks, per_call=20e-6, pack_bw=2e9)
+  cal = calibrate.from_allreduce_json(data)
+  assert cal.raw_link.latency == pytest.approx(3e-6, rel=0.05)  # + ~1 kB of transfer
+  assert cal.raw_link.bandwidth == pytest.approx(5e9, rel=0.01)
+  assert cal.software.per_call == pytest.approx(20e-6, rel=0.01)
+  assert cal.software.pack_bandwidth == pytest.approx(2e9, rel=0.01)
+  with pytest.raises(ValueError, match="mpi.sweep"):
+    calibrate.from_allreduce_json({"psum": {}})
+
+
+def test_calibration_from_the_committed_benchmark_predicts_its_own_sweep():
+  path = REPO / "docs/results/bench/allreduce.json"
+  data = json.loads(path.read_text())
+  cal = calibrate.from_allreduce_json(path)
+  c = cal.cluster()
+  for row in data["mpi"]["sweep"]:
+    ratio = ar.ring(row["bytes"], c) / row["seconds"]["raw_mpi"]
+    if row["bytes"] >= 32 << 20:  # gradient sizes, beyond the caches: within 25%
+      assert 0.8 < ratio < 1.25, (row["bytes"], ratio)
+    elif row["bytes"] <= 64:  # latency-bound: within a factor 2
+      assert 0.5 < ratio < 2, (row["bytes"], ratio)
+
+
+def test_docstring_examples_run():
+  for module in (cm, cm.hardware, cm.allreduce, cm.step, cm.published, cm.calibrate):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0, module.__name__
