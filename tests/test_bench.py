@@ -35,7 +35,7 @@ def test_step_benchmark_smoke(tmp_path):
 def test_unknown_benchmark_is_a_clear_error():
   result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks}" in result.stderr
+  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks, scaling}" in result.stderr
 
 
 def test_kinds_benchmark_smoke(tmp_path):
@@ -76,3 +76,14 @@ def test_checks_benchmark_smoke(tmp_path):
   assert all(v > 0 for v in data["seconds_per_step"].values())
   assert data["check_replicas_seconds"] > 0
   assert "default_checks" in stdout and "check_replicas" in stdout
+
+
+def test_scaling_benchmark_smoke(tmp_path):
+  stdout, data = run_bench("scaling", ["--ranks", "1", "2", "--rounds", "1", "--steps", "2"],
+                           tmp_path)
+  assert [r["ranks"] for r in data["rows"]] == [1, 2]
+  assert data["params"] == 151_306  # the digits CNN
+  two = data["rows"][1]
+  assert two["seconds_allreduce"] > 0 and two["seconds_no_communication"] > 0
+  assert two["communication_efficiency"] == two["seconds_no_communication"] / two["seconds_allreduce"]
+  assert "weak scaling" in stdout

@@ -60,6 +60,17 @@ def test_halving_doubling_has_the_same_bandwidth_term_and_log_latency():
   assert ar.halving_doubling(8, c) < ar.ring(8, c) / 50  # 20 latencies against 2046
 
 
+@pytest.mark.parametrize("nics", [1, 2, 8])
+def test_halving_doubling_network_steps_share_the_nics(nics):
+  # With a free node interior, halving/doubling over 16 nodes x 8 GPUs moves 2 (N-1)/N n
+  # bytes per node through its NICs: the 8 GPUs' flows share them.
+  free = hw.Link("free", 1e12, 1.0, 0.0)
+  net = dataclasses.replace(hw.IB_EDR, latency=0.0)
+  c = hw.Cluster("x", 16, 8, free, net, nics=nics)
+  expected = 2 * 15 / 16 * N_R50 / (net.bandwidth * nics)
+  assert ar.halving_doubling(N_R50, c) == pytest.approx(expected, rel=1e-3)
+
+
 KINDS = ("flat", "hierarchical", "two_dimensional", "xla")
 
 
@@ -92,6 +103,30 @@ def test_flat_ring_beats_hierarchical_when_the_node_is_the_bottleneck():
   # The converse, so the property above is about the bottleneck and not built in.
   c = hw.Cluster("PCIe nodes, fast network", 4, 8, hw.PCIE3, hw.IB_NDR)
   assert ar.ring(N_R50, c) < ar.hierarchical(N_R50, c)
+
+
+def test_hierarchical_counts_its_intra_node_passes():
+  c = hw.cluster("mn_1", gpus=64)
+  node_ring = ar.ring(N_R50, c.with_gpus(8))
+  # mnjax: psum, then a psum that hands device 0's result out; ChainerMN: reduce + bcast.
+  assert ar.hierarchical(N_R50, c) - ar.hierarchical(N_R50, c, intra_allreduces=1) == (
+      pytest.approx(node_ring))
+  assert ar.hierarchical(N_R50, c.with_gpus(8)) == pytest.approx(2 * node_ring)
+  across = ar.halving_doubling(N_R50, hw.Cluster("leaders", 8, 1, c.inter, c.inter))
+  assert ar.hierarchical(N_R50, c) == pytest.approx(2 * node_ring + across)
+
+
+def test_overlap_cannot_start_before_the_gradient_exists():
+  w = step.RESNET50.replace(compute=1.0)
+  c = hw.cluster("horovod_25gbe")
+  # One bucket is ready only when the backward pass ends: nothing to hide it behind.
+  one = step.step_time(w, c, "xla", overlap="backward")
+  assert one.exposed == pytest.approx(one.comm)
+  # Four buckets: the first three travel during the backward pass, the last one shows.
+  four = step.step_time(w, c, "xla", overlap="backward", bucket_bytes=N_R50 / 4)
+  last = ar.kind_time("xla", N_R50 / 4, c)
+  assert four.comm == pytest.approx(4 * last)
+  assert four.exposed == pytest.approx(last)  # each is done before the next one is ready
 
 
 def test_two_dimensional_uses_every_nic():

@@ -1,4 +1,4 @@
-"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks} [--options]``; ``--help`` per benchmark."""
+"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks,scaling} [--options]``; ``--help`` per benchmark."""
 
 import sys
 
@@ -8,6 +8,7 @@ BENCHMARKS = {
     "kinds": "mnjax.bench.kinds",
     "resnet": "mnjax.bench.resnet",
     "checks": "mnjax.bench.checks",
+    "scaling": "mnjax.bench.scaling",
 }
 
 

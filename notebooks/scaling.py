@@ -1,0 +1,274 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Scaling: what we measure here, and what the cost model predicts out to 1024 GPUs
+#
+# No machine of this project has more than two CPU cores, so the road to 128-1024 GPUs is a
+# cost model (`mnjax.costmodel`): alpha-beta models of the allreduce algorithms behind each
+# communicator kind, a step-time model with overlap, wire dtype and bucketing, calibrated on
+# what `python -m mnjax.bench` measures here and **validated against published results
+# before it predicts anything**.
+#
+# This notebook
+# 1. loads (or, with `MNJAX_RUN_BENCHMARKS=1`, runs) the benchmarks: allreduce time per
+#    message size per method, and the digits step at 1..N ranks;
+# 2. fits the model's latency, bandwidth and mnjax's software overhead to them;
+# 3. checks the model against ChainerMN, Goyal et al. and Horovod;
+# 4. predicts the efficiency of every communicator kind from 8 to 1024 GPUs on an MN-1-like
+#    cluster and on a modern H200 + NDR cluster.
+#
+# Figures go to `notebooks/figures/` (`MNJAX_FIGURES` overrides it). `MNJAX_NOTEBOOK_SMOKE=1`
+# is CI's quick run: the same cells on fewer points.
+
+# %%
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+from mnjax import costmodel as cm
+from mnjax.costmodel import allreduce as ar, hardware as hw, published, step
+
+REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+SMOKE = os.environ.get("MNJAX_NOTEBOOK_SMOKE") == "1"
+RUN = os.environ.get("MNJAX_RUN_BENCHMARKS") == "1"
+FIGURES = Path(os.environ.get("MNJAX_FIGURES", REPO / "notebooks" / "figures"))
+FIGURES.mkdir(parents=True, exist_ok=True)
+
+
+def save(fig, name):
+  path = FIGURES / f"{name}.png"
+  fig.savefig(path, dpi=110, bbox_inches="tight")
+  plt.close(fig)
+  print(f"wrote {path}")
+  return path
+
+# %% [markdown]
+# ## 1. The benchmarks
+#
+# Committed results live in `docs/results/bench/` (measured on this project's 2-core
+# machine, `mpirun --bind-to core`). `MNJAX_RUN_BENCHMARKS=1` measures afresh into `runs/bench/`:
+#
+# ```
+# python -m mnjax.bench allreduce          # 4 B - 128 MB, every method, 2 ranks (~10 min)
+# python -m mnjax.bench scaling            # digits step at 1, 2, 3, 4 ranks (~5 min)
+# ```
+
+# %%
+RESULTS = REPO / "docs" / "results" / "bench"
+if RUN:
+  for bench, extra in (("allreduce", ["--no_psum"]), ("scaling", [])):
+    if SMOKE:
+      extra += (["--max_bytes", "64e6", "--rounds", "1", "--seconds", "0.01"]
+                if bench == "allreduce" else ["--ranks", "1", "2", "--steps", "3", "--rounds", "1"])
+    subprocess.run([sys.executable, "-m", "mnjax.bench", bench, *extra,
+                    "--out", str(REPO / "runs" / "bench" / f"{bench}.json")], check=True, cwd=REPO)
+  RESULTS = REPO / "runs" / "bench"
+allreduce_json = json.loads((RESULTS / "allreduce.json").read_text())
+scaling_json = json.loads((RESULTS / "scaling.json").read_text())
+print("loaded", RESULTS / "allreduce.json", "and", RESULTS / "scaling.json")
+
+# %% [markdown]
+# ## 2. Allreduce bandwidth against message size, and the calibrated model
+#
+# Bus bandwidth is NCCL's convention, `2 (p-1)/p · n / t`: the link rate a ring would need.
+# The model's link for this machine is fitted to raw MPI: latency `alpha` from messages up to
+# 1 kB, bandwidth from 32 MB up (gradient sizes; in between, the CPU caches make shared-memory
+# MPI faster than either regime). mnjax's own overhead is what it adds to raw MPI: a cost per
+# call and the packing of leaves into buckets.
+
+# %%
+cal = cm.calibrate.from_allreduce_json(allreduce_json)
+ranks = allreduce_json["mpi"]["ranks"]
+sweep = allreduce_json["mpi"]["sweep"]
+sizes = [row["bytes"] for row in sweep]
+methods = ["raw_mpi", "mpi4jax", "mnjax_fp32", "mnjax_bf16", "mnjax_fp16"]
+fig, ax = plt.subplots(figsize=(8, 4.5))
+for m in methods:
+  ax.plot(sizes, [ar.bus_bandwidth(n, row["seconds"][m], ranks) / 1e9
+                  for n, row in zip(sizes, sweep)], "o-", label=m, ms=4)
+if "psum" in allreduce_json:
+  ps = allreduce_json["psum"]["sweep"]
+  ax.plot([r["bytes"] for r in ps], [ar.bus_bandwidth(r["bytes"], r["seconds"]["jax_psum"], ranks) / 1e9
+                                     for r in ps], "o-", label="jax_psum (gloo)", ms=4)
+machine = cal.cluster(ranks)
+ax.plot(sizes, [ar.bus_bandwidth(n, ar.ring(n, machine), ranks) / 1e9 for n in sizes], "k--",
+        label=f"model: alpha {cal.raw_link.latency * 1e6:.1f} us, B {cal.raw_link.bandwidth / 1e9:.2f} GB/s")
+ax.set(xscale="log", yscale="log", xlabel="message (bytes, float32)", ylabel="bus bandwidth (GB/s)",
+       title=f"allreduce on this machine, {ranks} ranks ({allreduce_json['launch']})")
+ax.legend(fontsize=8)
+save(fig, "allreduce_bandwidth")
+print(f"mnjax software overhead: {cal.software.per_call * 1e6:.1f} us per call, packing at "
+      f"{(cal.software.pack_bandwidth or float('inf')) / 1e9:.2f} GB/s")
+
+# %% [markdown]
+# ## 3. Measured efficiency at 1..N ranks, and the model for this machine
+#
+# Communication efficiency is the step time without communication over the step time with
+# `allreduce_gradients`, measured in alternating rounds of one run. The model predicts it
+# from the measured no-communication step, the digits CNN's gradient (151k float32, one
+# bucket), and the calibrated link and overhead. Above 2 ranks the ranks share the 2 cores:
+# weak scaling there measures the machine, not mnjax.
+
+# %%
+rows = scaling_json["rows"]
+cnn = step.Workload("digits CNN", scaling_json["params"], compute=1.0)
+predicted = []
+for r in rows:
+  w = cnn.replace(compute=r["seconds_no_communication"])
+  c = cal.cluster(r["ranks"])
+  predicted.append(step.efficiency(w, c, "flat", reference=r["ranks"] if r["ranks"] == 1 else 1,
+                                   software=cal.software)
+                   if r["ranks"] > 1 else 1.0)
+fig, ax = plt.subplots(figsize=(6, 4))
+p = [r["ranks"] for r in rows]
+ax.plot(p, [r["communication_efficiency"] for r in rows], "o-", label="measured: communication efficiency")
+ax.plot(p, [r["weak_scaling_efficiency"] for r in rows], "s-", label="measured: weak scaling")
+ax.plot(p, predicted, "k--", label="model: communication efficiency")
+ax.set(xlabel="ranks (processes)", ylabel="efficiency", ylim=(0, 1.1), xticks=p,
+       title="digits CNN step on this 2-core machine")
+ax.legend(fontsize=8)
+save(fig, "measured_efficiency")
+display(Markdown("| ranks | measured comm. efficiency | model | weak scaling |\n|---|---|---|---|\n" + "\n".join(
+    f"| {r['ranks']} | {r['communication_efficiency']:.3f} | {m:.3f} | {r['weak_scaling_efficiency']:.3f} |"
+    for r, m in zip(rows, predicted))))
+
+# %% [markdown]
+# ## 4. The formulas, with their sources
+#
+# For `p` ranks, `n` bytes, link latency `α` and time per byte `β = 1/B` (Hockney's model):
+#
+# | algorithm | time | source |
+# |---|---|---|
+# | ring | `2(p-1) α + 2 (p-1)/p · n β` | Patarasuk & Yuan, JPDC 2009 |
+# | recursive halving/doubling | `2 log2(p) α + 2 (p-1)/p · n β` (+ 2 full exchanges if p is not a power of 2) | Thakur, Rabenseifner, Gropp, IJHPCA 2005 |
+# | recursive doubling | `log2(p) (α + n β)` | same |
+# | hierarchical | `k · ring_node(n) + allreduce_nodes(n)` (mnjax: k = 2 intra-node psums; ChainerMN: reduce + bcast, k ≈ 1) | ChainerMN (Akiba et al. 2017) |
+# | two-dimensional | `ring_node(n) + allreduce_nodes(n/g)`, the g shards sharing the node's NICs | ChainerMN; Mikami et al. 2018 (2D-torus) |
+#
+# mnjax's kinds: `flat` is MPI_Allreduce over one process per GPU (MPICH: halving/doubling
+# for large messages; with ranks placed by node its network steps carry messages already
+# divided by the GPUs per node); `hierarchical` crosses the network from one GPU per node,
+# on one NIC; `two_dimensional` from every GPU, on every NIC; `xla` is NCCL's ring striped
+# over every NIC.
+#
+# Step time: `compute + comm` without overlap; with overlap, buckets become ready evenly over
+# the backward pass and go out one after another; with double buffering, `max(compute, comm)`.
+# Overlapped communication still costs a fraction `interference` of its time (memory, PCIe
+# and host contention). Efficiency is weak-scaling: step(1 GPU) / step(p GPUs).
+
+# %% [markdown]
+# ## 5. Validation: published points before predictions
+#
+# Each case's inputs and their sources are in `mnjax/costmodel/published.py`;
+# `tests/test_costmodel.py` fails when a prediction leaves its tolerance.
+
+# %%
+rows_v = published.validate()
+display(Markdown("| case | published | mnjax model | tolerance | ok |\n|---|---|---|---|---|\n" + "\n".join(
+    f"| {r.name} ({r.source}) | {r.published} | {r.predicted:.3f} | {r.low}-{r.high} | {'yes' if r.ok else '**no**'} |"
+    for r in rows_v)))
+assert all(r.ok for r in rows_v)
+
+# %% [markdown]
+# How much the two assumed inputs move the predictions: the ChainerMN step time (70-100
+# images/s on a TITAN X) and the overlap `interference` (0 = perfect overlap).
+
+# %%
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+computes = [0.30, 0.34, 0.37, 0.40, 0.46]
+a1.plot(computes, [published.chainermn_2017(c) for c in computes], "o-")
+a1.axhspan(0.78, 0.90, color="g", alpha=0.15, label="published 78-90%")
+a1.set(xlabel="assumed step compute (s, 32 img/GPU)", ylabel="efficiency at 128 GPUs",
+       title="ChainerMN 2017")
+a1.legend(fontsize=8)
+kappas = [0.0, 0.1, 0.2, 0.3, 0.4]
+a2.plot(kappas, [published.goyal_2017(k) for k in kappas], "o-", label="Goyal et al. (pub. ~90%)")
+a2.plot(kappas, [published.horovod_2018(k) for k in kappas], "s-", label="Horovod (pub. 88%)")
+a2.axvline(published.INTERFERENCE, color="k", ls=":", label="value used")
+a2.set(xlabel="interference", ylabel="efficiency", title="overlap cost")
+a2.legend(fontsize=8)
+save(fig, "validation_sensitivity")
+
+# %% [markdown]
+# ## 6. Predictions: every communicator kind, 8 to 1024 GPUs
+#
+# ResNet-50 (25.6M parameters, fp32 gradient, one bucket, no overlap: mnjax's jitted step
+# today) at 32 images per GPU. Step compute, assumed: 0.17 s on a P100 (fp32, ~190
+# images/s) for MN-1, 0.012 s on an H200 (bf16, ~2,700 images/s) for the H200 cluster. The
+# dashed lines are `two_dimensional` with a bf16 wire and with overlap.
+
+# %%
+GPUS = [8, 16, 32, 64, 128, 256, 512, 1024] if not SMOKE else [8, 64, 1024]
+KINDS = ("flat", "hierarchical", "two_dimensional", "xla")
+setups = {
+    "mn_1": step.RESNET50.replace(compute=0.17),
+    "h200_ndr": step.RESNET50.replace(compute=0.012),
+}
+fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+table = {}
+for ax, (preset, w) in zip(axes, setups.items()):
+  base = hw.cluster(preset)
+  curves = step.scaling(w, base, KINDS, GPUS)
+  for kind, effs in curves.items():
+    ax.plot(GPUS, effs, "o-", label=kind, ms=4)
+    table[(preset, kind)] = effs
+  for label, opts in (("two_dimensional, bf16 wire", {"wire_bytes": 2}),
+                      ("two_dimensional, overlap", {"overlap": "backward", "bucket_bytes": 25 << 20,
+                                                     "interference": published.INTERFERENCE})):
+    effs = step.scaling(w, base, ("two_dimensional",), GPUS, **opts)["two_dimensional"]
+    ax.plot(GPUS, effs, "--", label=label)
+    table[(preset, label)] = effs
+  ax.set(xscale="log", xlabel="GPUs", title=f"{base.name}: ResNet-50, {w.compute * 1e3:.0f} ms compute")
+  ax.set_xticks(GPUS, [str(g) for g in GPUS])
+  ax.grid(alpha=0.3)
+axes[0].set_ylabel("predicted weak-scaling efficiency")
+axes[0].set_ylim(0, 1.02)
+axes[1].legend(fontsize=8, loc="lower left")
+save(fig, "predicted_efficiency")
+display(Markdown("| cluster | kind | " + " | ".join(str(g) for g in GPUS) + " |\n|---|---|"
+                 + "---|" * len(GPUS) + "\n" + "\n".join(
+    f"| {preset} | {kind} | " + " | ".join(f"{e:.2f}" for e in effs) + " |"
+    for (preset, kind), effs in table.items())))
+
+# %%
+at = GPUS[-1]
+for preset in setups:
+  effs = {kind: table[(preset, kind)][-1] for kind in KINDS}
+  best = max(effs, key=effs.get)
+  print(f"{preset} at {at} GPUs: " + ", ".join(f"{k} {e:.2f}" for k, e in effs.items())
+        + f"; best: {best}")
+
+# %% [markdown]
+# Reading the predictions (the numbers are printed above):
+#
+# * `flat` (halving/doubling with ranks placed by node) and `two_dimensional` coincide: both
+#   send `2 (N-1)/N · n` bytes per node over all of its NICs; `flat`'s line lies under
+#   `two_dimensional`'s.
+# * `hierarchical` loses most on both clusters: it runs two intra-node allreduces and crosses
+#   the network from one GPU per node, on one NIC (one of two on MN-1, one of eight on H200).
+# * NCCL's ring (`xla`) uses every NIC but pays `2 (p-1)` latencies: it leads at small scale
+#   and falls behind at 512-1024 GPUs, most on the H200 cluster where the step is only 12 ms.
+# * A bf16 wire halves the bandwidth term; overlap hides what the backward pass can cover.
+#   With a 12 ms step, what limits a 1024-H200 job is latency and the exposed allreduce, not
+#   the links' bandwidth.
