@@ -133,13 +133,10 @@ print(f"mnjax software overhead: {cal.software.per_call * 1e6:.1f} us per call, 
 # %%
 rows = scaling_json["rows"]
 cnn = step.Workload("digits CNN", scaling_json["params"], compute=1.0)
-predicted = []
-for r in rows:
-  w = cnn.replace(compute=r["seconds_no_communication"])
-  c = cal.cluster(r["ranks"])
-  predicted.append(step.efficiency(w, c, "flat", reference=r["ranks"] if r["ranks"] == 1 else 1,
-                                   software=cal.software)
-                   if r["ranks"] > 1 else 1.0)
+predicted = [
+    step.efficiency(cnn.replace(compute=r["seconds_no_communication"]), cal.cluster(r["ranks"]),
+                    "flat", software=cal.software)
+    for r in rows]
 fig, ax = plt.subplots(figsize=(6, 4))
 p = [r["ranks"] for r in rows]
 ax.plot(p, [r["communication_efficiency"] for r in rows], "o-", label="measured: communication efficiency")
