@@ -104,7 +104,7 @@ env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_"))
 cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", "2", sys.executable,
        str(REPO / "experiments" / "train.py"), "--epochs", str(EPOCHS), "--workdir", str(workdir),
        "--global_batch_size", str(GLOBAL_BATCH), "--no-progress"]
-print(" ".join(cmd))
+print("mpirun -n 2 python experiments/train.py " + " ".join(cmd[5:]))
 out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 print(out.stdout[-2000:])
 if out.returncode != 0:
@@ -137,4 +137,4 @@ ax.legend()
 path = FIGURES / "quickstart_loss.png"
 fig.savefig(path, dpi=110, bbox_inches="tight")
 plt.close(fig)
-print(f"wrote {path}")
+print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")

@@ -60,8 +60,7 @@ def save(fig, name):
   path = FIGURES / f"{name}.png"
   fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)
-  print(f"wrote {path}")
-  return path
+  print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
 
 # %% [markdown]
 # ## 1. The benchmarks
@@ -86,7 +85,7 @@ if RUN:
   RESULTS = REPO / "runs" / "bench"
 allreduce_json = json.loads((RESULTS / "allreduce.json").read_text())
 scaling_json = json.loads((RESULTS / "scaling.json").read_text())
-print("loaded", RESULTS / "allreduce.json", "and", RESULTS / "scaling.json")
+print(f"loaded allreduce.json and scaling.json from {RESULTS.relative_to(REPO)}/")
 
 # %% [markdown]
 # ## 2. Allreduce bandwidth against message size, and the calibrated model
