@@ -78,7 +78,7 @@ RESULTS = REPO / "docs" / "results" / "bench"
 if RUN:
   for bench, extra in (("allreduce", ["--no_psum"]), ("scaling", [])):
     if SMOKE:
-      extra += (["--max_bytes", "64e6", "--rounds", "1", "--seconds", "0.01"]
+      extra += (["--max_bytes", "7e7", "--rounds", "1", "--seconds", "0.01"]
                 if bench == "allreduce" else ["--ranks", "1", "2", "--steps", "3", "--rounds", "1"])
     subprocess.run([sys.executable, "-m", "mnjax.bench", bench, *extra,
                     "--out", str(REPO / "runs" / "bench" / f"{bench}.json")], check=True, cwd=REPO)
