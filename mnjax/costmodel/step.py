@@ -148,7 +148,3 @@ def _local_kind(kind: str) -> str:
 def scaling(w: Workload, c: Cluster, kinds, gpus, **options) -> dict[str, list[float]]:
   """Efficiency of each kind at each GPU count (`gpus`: multiples of the node size, or fewer)."""
   return {k: [efficiency(w, c.with_gpus(p), k, **options) for p in gpus] for k in kinds}
-
-
-def images_per_second(w: Workload, c: Cluster, kind: str, **options) -> float:
-  return c.gpus * w.batch_per_gpu / step_time(w, c, kind, **options).total
