@@ -226,3 +226,94 @@ def test_calibrated_model_predicts_the_measured_two_rank_step():
   w = step.Workload("digits CNN", scaling["params"], compute=two["seconds_no_communication"])
   predicted = step.efficiency(w, cal.cluster(2), "flat", software=cal.software)
   assert abs(predicted - two["communication_efficiency"]) < 0.07, (predicted, two)
+
+
+# --- NCCL (kind "xla"): ring, double binary tree, and the tuner's choice between them ------
+H200 = hw.PRESETS["h200_ndr"]
+
+
+@pytest.mark.parametrize("nbytes", [25 << 20, N_R50])  # DDP's bucket and the whole gradient
+def test_nccl_tree_beats_the_ring_at_1024_h200s_and_auto_takes_it(nbytes):
+  c = H200.with_gpus(1024)
+  tree, ring = ar.double_binary_tree(nbytes, c), ar.nccl_allreduce(nbytes, c, "ring")
+  assert tree < ring / 5  # 2046 ring steps of 3 us against 14 + 14 hops
+  assert ar.kind_time("xla", nbytes, c) == pytest.approx(tree)
+  assert ar.kind_time("xla", nbytes, c, nccl="tree") == pytest.approx(tree)
+  # A mutant that always takes the ring fails here: its step is the latency-bound one.
+  w = step.RESNET50.replace(compute=0.012)
+  assert step.efficiency(w, c, "xla") > 0.9 > 0.7 > step.efficiency(w, c, "xla", nccl="ring")
+
+
+@pytest.mark.parametrize("gpus", [16, 64, 256, 1024])
+def test_nccl_tree_wins_small_messages_at_any_multi_node_scale(gpus):
+  c = H200.with_gpus(gpus)
+  assert ar.double_binary_tree(4, c) < ar.nccl_allreduce(4, c, "ring")
+  assert ar.kind_time("xla", 4, c) == pytest.approx(ar.double_binary_tree(4, c))
+
+
+def test_nccl_ring_wins_on_one_node_for_large_messages():
+  c = H200.with_gpus(8)
+  ring, tree = ar.nccl_allreduce(N_R50, c, "ring"), ar.double_binary_tree(N_R50, c)
+  # Same 2 (g-1) latencies; the ring sends 2 (g-1)/g n per GPU, the chain 2 n.
+  assert ring < tree
+  assert tree - ring == pytest.approx(2 * N_R50 / 8 / H200.intra.bandwidth, rel=1e-9)
+  assert ar.kind_time("xla", N_R50, c) == pytest.approx(ring)  # a tree-only mutant fails
+  assert ar.double_binary_tree(4, c) == pytest.approx(ar.ring(4, c), rel=1e-3)  # a tie
+
+
+@pytest.mark.parametrize("preset", ["mn_1", "h200_ndr", "horovod_25gbe", "big_basin_50gbe"])
+def test_nccl_auto_is_the_min_of_ring_and_tree(preset):
+  base = hw.PRESETS[preset]
+  for gpus in (base.gpus_per_node, 4 * base.gpus_per_node, base.gpus):
+    c = base.with_gpus(gpus)
+    for nbytes in (4, 1 << 16, 1 << 22, N_R50):
+      ring, tree = ar.nccl_allreduce(nbytes, c, "ring"), ar.nccl_allreduce(nbytes, c, "tree")
+      assert ar.kind_time("xla", nbytes, c) == pytest.approx(min(ring, tree))
+      assert ar.kind_time("xla", nbytes, c, nccl="ring") == pytest.approx(ring)
+  with pytest.raises(ValueError, match="choose from auto, ring, tree"):
+    ar.kind_time("xla", 4, base, nccl="collnet")
+
+
+def test_nccl_tree_latency_grows_as_log2_of_the_nodes_not_linearly():
+  small, big = H200.with_gpus(64), H200.with_gpus(1024)  # 8 and 128 nodes
+  tree = ar.double_binary_tree(4, big) - ar.double_binary_tree(4, small)
+  assert tree == pytest.approx(2 * (7 - 3) * H200.inter.latency, rel=1e-6)
+  ring = ar.nccl_allreduce(4, big, "ring") - ar.nccl_allreduce(4, small, "ring")
+  assert ring == pytest.approx(2 * (1024 - 64) * H200.intra.latency, rel=1e-3)
+  # Node counts between powers of two take the next level: ceil(log2 3) = 2 = log2 4.
+  assert ar.double_binary_tree(4, H200.with_gpus(24)) == pytest.approx(
+      ar.double_binary_tree(4, H200.with_gpus(32)))
+
+
+@pytest.mark.parametrize("nics", [1, 2, 8])
+def test_nccl_tree_bandwidth_term_is_2n_over_the_node_network(nics):
+  free = hw.Link("free", 1e12, 1.0, 0.0)
+  net = dataclasses.replace(hw.IB_NDR, latency=0.0)
+  c = hw.Cluster("x", 16, 8, free, net, nics=nics)
+  assert ar.double_binary_tree(N_R50, c) == pytest.approx(2 * N_R50 / (nics * net.bandwidth))
+  # The ring's is 2 (p-1)/p n over the same NICs: a tie as p grows.
+  ratio = ar.nccl_allreduce(N_R50, c, "ring") / ar.double_binary_tree(N_R50, c)
+  assert ratio == pytest.approx(127 / 128, rel=1e-3)
+  # A slower node interior is the bottleneck instead (pipelined, not added).
+  slow = dataclasses.replace(c, intra=dataclasses.replace(free, gbps=8 * nics))
+  assert ar.double_binary_tree(N_R50, slow) == pytest.approx(2 * N_R50 / slow.intra.bandwidth)
+
+
+@pytest.mark.parametrize("gpus", [8, 1024])
+@pytest.mark.parametrize("kind", ["flat", "xla"])
+def test_best_bucket_bytes_is_the_argmin_of_the_overlapped_step(gpus, kind):
+  w = step.RESNET50.replace(compute=0.012)
+  c = H200.with_gpus(gpus)
+  best = step.best_bucket_bytes(w, c, kind)
+  assert best in step.BUCKET_CANDIDATES
+  times = {b: step.step_time(w, c, kind, bucket_bytes=b, overlap="backward").total
+           for b in step.BUCKET_CANDIDATES}
+  assert times[best] == min(times.values())
+  assert best == min(step.BUCKET_CANDIDATES, key=times.get)
+  assert times[best] < times[None]  # overlap pays for several buckets here
+  # Horovod's 5 ms per call makes one buffer best; a subset of candidates is honoured.
+  slow = step.Software(per_call=5e-3)
+  assert step.best_bucket_bytes(w, c, kind, software=slow) is None
+  assert step.best_bucket_bytes(w, c, kind, candidates=(64 << 20,)) == 64 << 20
+  with pytest.raises(ValueError, match="candidates"):
+    step.best_bucket_bytes(w, c, kind, candidates=(0,))

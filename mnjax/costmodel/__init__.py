@@ -4,9 +4,9 @@ No machine here has more than two cores; the road to 128-1024 GPUs is this model
 
 * `hardware`: links (InfiniBand FDR-NDR, 10-100 GbE, NVLink 1-5, PCIe) and cluster presets;
 * `allreduce`: ring, recursive halving/doubling, hierarchical and two-dimensional allreduce,
-  and the time of each mnjax communicator kind;
+  NCCL's double binary tree, and the time of each mnjax communicator kind;
 * `step`: step time with or without overlap (backward, double buffering), wire dtype and
-  bucketing, and weak-scaling efficiency;
+  bucketing, the bucket size of lowest step time, and weak-scaling efficiency;
 * `published`: the published points the model must reproduce before it predicts;
 * `calibrate`: link and software overhead fitted to ``python -m mnjax.bench allreduce``.
 

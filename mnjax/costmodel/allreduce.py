@@ -23,6 +23,14 @@ Sources of the formulas (p ranks, n bytes, alpha latency, beta seconds per byte)
 * two-dimensional (ChainerMN's ``two_dimensional``; the "2D-torus" allreduce of Mikami et
   al., arXiv:1811.05233): reduce-scatter within the node, each local rank allreduces its
   ``n/g`` shard across nodes (g flows share the node's NICs), all-gather within the node.
+* NCCL's double binary tree (NCCL >= 2.4): a chain through each node's GPUs, a binary tree
+  of nodes across the network, pipelined; two complementary trees each carry half the data,
+  so every node is inner in one tree and a leaf in the other and sends and receives about
+  ``n`` per phase (Sanders, Speck, Träff, "Two-tree algorithms for full bandwidth broadcast,
+  reduction and scan", Parallel Computing 2009; NVIDIA blog "Massively Scale Your Deep
+  Learning Training with NCCL 2.4", 2019; inter-node trees and intra-node chains:
+  NVIDIA/nccl issue #545). NCCL's tuner picks, per call, the algorithm (and protocol) of
+  lowest predicted time (NVIDIA/nccl issue #754); `nccl_allreduce` takes ``min(ring, tree)``.
 
     >>> from mnjax.costmodel import allreduce, hardware as hw
     >>> c = hw.cluster("mn_1", gpus=1024)
@@ -130,12 +138,100 @@ def two_dimensional(nbytes: float, c: Cluster, *, inter: str = "halving_doubling
   return within + flat_algorithm(inter)(nbytes / g, shards)
 
 
-def kind_time(kind, nbytes: float, c: Cluster, *, flat: str = "halving_doubling") -> float:
+def _striped(c: Cluster) -> Cluster:
+  """`c` with its NICs bonded into one link (NCCL stripes its channels over every NIC)."""
+  inter = c.inter.scaled(c.nics) if c.nics > 1 else c.inter
+  return Cluster(c.name, c.nodes, c.gpus_per_node, c.intra, inter, 1)
+
+
+def double_binary_tree(nbytes: float, c: Cluster) -> float:
+  """NCCL's tree allreduce: intra-node chains, a pipelined double binary tree of nodes.
+
+  A chunk climbs the node's chain (``g-1`` NVLink/PCIe hops) and the tree of nodes
+  (``ceil(log2 N)`` network hops), then comes back down: the latency term is
+  ``2 (g-1) alpha_intra + 2 ceil(log2 N) alpha_inter``, logarithmic in the nodes where the
+  ring's is linear in the GPUs. Each byte is sent once up (reduce) and once down
+  (broadcast): every GPU sends ``2n`` over its intra-node link and, the two trees splitting
+  the data, every node ``2n`` over all of its NICs. Reduce and broadcast are pipelined
+  through both, so the slower one sets the bandwidth term. Pipeline fill (chunk size) and
+  NCCL's protocols (LL, LL128, Simple) are left out.
+
+  Args:
+    nbytes: bytes each GPU contributes (and receives back).
+    c: the cluster; every GPU takes part.
+
+  Returns:
+    Seconds, ``latency + 2 n / min(B_intra, nics B_inter)``.
+
+  >>> from mnjax.costmodel import allreduce, hardware as hw
+  >>> c = hw.cluster("h200_ndr", gpus=1024)
+  >>> round(allreduce.double_binary_tree(4, c) * 1e6)    # microseconds: 14 x 3 + 14 x 1
+  56
+  """
+  if c.gpus == 1:
+    return 0.0
+  g, nodes = c.gpus_per_node, c.nodes
+  latency = 2 * (g - 1) * c.intra.latency
+  rates = [c.intra.bandwidth] if g > 1 else []
+  if nodes > 1:
+    latency += 2 * math.ceil(math.log2(nodes)) * c.inter.latency
+    rates.append(c.inter.bandwidth * c.nics)
+  return latency + 2 * nbytes / min(rates)
+
+
+NCCL_ALGORITHMS = ("auto", "ring", "tree")
+
+
+def nccl_allreduce(nbytes: float, c: Cluster, algorithm: str = "auto") -> float:
+  """NCCL's allreduce over every GPU of `c`, channels striped over every NIC of a node.
+
+  Args:
+    nbytes: bytes each GPU contributes.
+    c: the cluster.
+    algorithm: ``"ring"`` (`ring`, NCCL < 2.4 or ``NCCL_ALGO=Ring``), ``"tree"``
+      (`double_binary_tree`) or ``"auto"``: the faster of the two, as NCCL's tuner picks.
+
+  Returns:
+    Seconds.
+
+  >>> from mnjax.costmodel import allreduce, hardware as hw
+  >>> c = hw.cluster("h200_ndr", gpus=1024)
+  >>> [round(allreduce.nccl_allreduce(4, c, a) * 1e6) for a in ("ring", "tree", "auto")]
+  [6138, 56, 56]
+  """
+  if algorithm not in NCCL_ALGORITHMS:
+    raise ValueError(f"unknown NCCL algorithm {algorithm!r}; choose from "
+                     f"{', '.join(NCCL_ALGORITHMS)}")
+  striped = _striped(c)
+  if algorithm == "ring":
+    return ring(nbytes, striped)
+  if algorithm == "tree":
+    return double_binary_tree(nbytes, c)
+  return min(ring(nbytes, striped), double_binary_tree(nbytes, c))
+
+
+def kind_time(kind, nbytes: float, c: Cluster, *, flat: str = "halving_doubling",
+              nccl: str = "auto") -> float:
   """Seconds for one allreduce of `nbytes` with mnjax communicator `kind` on GPUs of `c`.
 
-  ``flat``: one MPI process per GPU, MPI_Allreduce (`flat` picks the algorithm; MPICH's
-  large-message choice by default). ``xla``: NCCL's ring over all GPUs, striped over every
-  NIC of a node. ``single_node``: one node only.
+  Args:
+    kind: ``flat``: one MPI process per GPU, MPI_Allreduce. ``hierarchical``,
+      ``two_dimensional``: those functions. ``xla``: NCCL over all GPUs, striped over every
+      NIC of a node (see `nccl_allreduce`). ``single_node``: one node only. Or a callable
+      ``(nbytes, cluster) -> seconds``.
+    nbytes: bytes each GPU contributes.
+    c: the cluster.
+    flat: the MPI algorithm of ``flat`` (MPICH's large-message choice by default).
+    nccl: NCCL's algorithm for ``xla``: ``"auto"`` (min of ring and tree), ``"ring"``
+      or ``"tree"``.
+
+  Returns:
+    Seconds.
+
+  >>> from mnjax.costmodel import allreduce, hardware as hw
+  >>> c = hw.cluster("h200_ndr", gpus=1024)
+  >>> [round(allreduce.kind_time("xla", 102e6, c, nccl=a) * 1e3, 2) for a in ("ring", "auto")]
+  [6.7, 0.62]
   """
   if callable(kind):  # a custom algorithm: (nbytes, cluster) -> seconds
     return kind(nbytes, c)
@@ -150,8 +246,7 @@ def kind_time(kind, nbytes: float, c: Cluster, *, flat: str = "halving_doubling"
       raise ValueError(f"single_node spans one node; {c.name} has {c.nodes}")
     return ring(nbytes, c)
   if kind == "xla":
-    return ring(nbytes, Cluster(c.name, c.nodes, c.gpus_per_node, c.intra,
-                                c.inter.scaled(c.nics) if c.nics > 1 else c.inter, 1))
+    return nccl_allreduce(nbytes, c, nccl)
   raise ValueError(f"unknown communicator kind {kind!r}; kinds: {', '.join(KINDS)}")
 
 

@@ -97,10 +97,11 @@ def buckets(nbytes: float, bucket_bytes: float | None) -> list[float]:
 def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
               bucket_bytes: float | None = None, overlap: str = "none",
               interference: float = 0.0, software: Software = Software(),
-              flat: str = "halving_doubling") -> StepTime:
+              flat: str = "halving_doubling", nccl: str = "auto") -> StepTime:
   """The modelled step of `w` on every GPU of `c` with communicator `kind`.
 
   `wire_bytes`: bytes per gradient element on the wire (4: float32, 2: bf16/fp16 wire).
+  `flat`, `nccl`: the algorithms of kinds ``flat`` and ``xla`` (`allreduce.kind_time`).
   """
   if overlap not in OVERLAPS:
     raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
@@ -112,8 +113,8 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
     return StepTime(w.compute, 0.0, 0.0)
   nbytes = w.params * wire_bytes
   sizes = buckets(nbytes, bucket_bytes)
-  times = [kind_time(kind, b, c, flat=flat) + software.per_call + software.pack_time(b)
-           for b in sizes]
+  times = [kind_time(kind, b, c, flat=flat, nccl=nccl) + software.per_call
+           + software.pack_time(b) for b in sizes]
   comm = sum(times)
   if overlap == "none":
     return StepTime(w.compute, comm, comm)
@@ -130,6 +131,40 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
     clock = max(clock, ready) + t
   hidden = comm - max(0.0, clock - w.compute)
   return StepTime(w.compute, comm, max(0.0, clock - w.compute) + interference * hidden)
+
+
+BUCKET_CANDIDATES = (1 << 20, 4 << 20, 16 << 20, 25 << 20, 64 << 20, None)
+
+
+def best_bucket_bytes(w: Workload, c: Cluster, kind: str,
+                      candidates=BUCKET_CANDIDATES, **options) -> float | None:
+  """The gradient bucket size of lowest modelled step time, overlapped with the backward pass.
+
+  Smaller buckets start earlier and leave less after the backward pass; each costs one more
+  call (latency and ``software.per_call``). Candidates: PyTorch DDP's 25 MB default,
+  Horovod's 64 MB fusion buffer, mnjax's 4 MB, and ``None`` (one buffer).
+
+  Args:
+    w: the workload.
+    c: the cluster.
+    kind: the communicator kind (`allreduce.kind_time`).
+    candidates: bucket sizes in bytes, ``None`` for one buffer; the first of equal times wins.
+    **options: passed to `step_time` (``wire_bytes``, ``interference``, ``software``,
+      ``flat``, ``nccl``); ``overlap`` is ``"backward"``.
+
+  Returns:
+    The candidate of lowest ``step_time(...).total``.
+
+  >>> from mnjax.costmodel import hardware as hw, step
+  >>> c = hw.cluster("h200_ndr", gpus=1024)
+  >>> step.best_bucket_bytes(step.RESNET50.replace(compute=0.012), c, "xla") >> 20   # MiB
+  4
+  """
+  candidates = tuple(candidates)
+  if not candidates or any(b is not None and not b > 0 for b in candidates):
+    raise ValueError(f"candidates must be bucket sizes > 0 or None; got {candidates!r}")
+  options = {**options, "overlap": "backward"}
+  return min(candidates, key=lambda b: step_time(w, c, kind, bucket_bytes=b, **options).total)
 
 
 def efficiency(w: Workload, c: Cluster, kind: str, *, reference: int = 1, **options) -> float:
