@@ -68,7 +68,7 @@ class Config:
   model: str = "resnet18"
   stem: str = "cifar"
   image_size: int = 0  # imagenet2012/synthetic side (0: 224)
-  comm: str = "flat"
+  comm: str = "auto"  # a kind of mnjax.KINDS; auto: xla on GPUs, flat on CPUs
   sync_bn: bool = True
   bn_momentum: float = 0.9  # 0.0: evaluate with the last global minibatch's statistics
   optimizer: str = "goyal"  # goyal | lars | rmsprop_warmup
@@ -76,7 +76,7 @@ class Config:
   warmup_epochs: float = 5.0
   label_smoothing: float = 0.0
   wire_dtype: str = "float32"
-  bucket_mb: float = 4.0
+  bucket_mb: str = "auto"  # largest fused gradient buffer in MiB; auto: the platform default; 0: one buffer per dtype
   epochs: int = 10
   steps_per_epoch: int = 0  # 0: the whole split; else at most this many steps per epoch
   global_batch_size: int = 64
@@ -180,7 +180,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   norm = functools.partial(mnjax.SyncBatchNorm, comm) if config.sync_bn else nn.BatchNorm
   model = MODELS[config.model](num_classes=train_source.num_classes, stem=config.stem, norm=norm,
                                bn_momentum=config.bn_momentum)
-  bucket = None if config.bucket_mb == 0 else int(config.bucket_mb * 2**20)
+  bucket = mnjax.collectives.bucket_bytes_from_mb(config.bucket_mb)
   # After the allreduce every rank holds the same gradient, so all skip a NaN step together.
   tx = optax.chain(
       mnjax.allreduce_gradients(comm, wire_dtype=config.wire_dtype, bucket_bytes=bucket),
@@ -201,7 +201,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   baseline = baseline_rate(config.baseline_workdir)
   if comm.is_root:
     print(f"mnjax: {config.model} on {config.dataset} ({len(train_source)} train examples),"
-          f" {comm.size} rank(s) x {comm.local_device_count} device(s), kind {comm.kind},"
+          f" {comm.summary}{' (--comm auto)' if config.comm == 'auto' else ''},"
           f" global batch {config.global_batch_size}, {steps} steps/epoch,"
           f" {'synchronized' if config.sync_bn else 'per-replica'} BN"
           + (f"; resuming at epoch {first_epoch}, batch {first_batch} (step {step})"

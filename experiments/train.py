@@ -44,9 +44,9 @@ class Config:
   """Everything that defines a run; written to ``config.json``."""
 
   dataset: str = "digits"
-  comm: str = "flat"
+  comm: str = "auto"  # a kind of mnjax.KINDS; auto: xla on GPUs, flat on CPUs
   wire_dtype: str = "float32"  # or bfloat16 / float16: gradients cross processes in 16 bits
-  bucket_mb: float = 4.0  # largest fused gradient buffer; 0: one buffer per dtype
+  bucket_mb: str = "auto"  # largest fused gradient buffer in MiB; auto: the platform default; 0: one buffer per dtype
   epochs: int = 20
   global_batch_size: int = 64
   learning_rate: float = 1e-3
@@ -78,7 +78,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
     else:
       kind = {"int": int, "float": float, "str": str}[field.type]
       parser.add_argument(f"--{field.name}", type=kind, default=field.default)
-  parser.set_defaults(comm="flat")
   return Config(**vars(parser.parse_args(argv)))
 
 
@@ -91,7 +90,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
 
   allreduce = mnjax.allreduce_gradients(
       comm, wire_dtype=config.wire_dtype,
-      bucket_bytes=None if config.bucket_mb == 0 else int(config.bucket_mb * 2**20))
+      bucket_bytes=mnjax.collectives.bucket_bytes_from_mb(config.bucket_mb))
   # After the allreduce every rank holds the same gradient, so all skip a NaN step together.
   tx = optax.chain(allreduce, mnjax.skip_nonfinite(optax.adam(config.learning_rate)))
   model = SmallCNN(num_classes=train.num_classes)
@@ -107,8 +106,8 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
   mnjax.workdir.write_config(config.workdir, config, comm)
   log = mnjax.workdir.MetricsLog(config.workdir, comm)
   if comm.is_root:
-    print(f"mnjax: {comm.size} rank(s) x {comm.local_device_count} device(s), kind"
-          f" {comm.kind}, global batch {config.global_batch_size}, {len(train)} train /"
+    print(f"mnjax: {comm.summary}{' (--comm auto)' if config.comm == 'auto' else ''},"
+          f" global batch {config.global_batch_size}, {len(train)} train /"
           f" {len(test)} test examples"
           + (f"; resuming at epoch {first_epoch}, batch {first_batch} (step {step})"
              if step else ""))

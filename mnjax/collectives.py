@@ -1,7 +1,7 @@
 """In-step collectives on pytrees: fuse leaves into few flat buffers, reduce each once.
 
 `allreduce_tree` runs *inside* a traced (jitted) step. It packs the gradient pytree into
-contiguous buffers of at most `DEFAULT_BUCKET_BYTES` per dtype (``bucket_bytes``) and issues
+contiguous buffers of at most `default_bucket_bytes` per dtype (``bucket_bytes``) and issues
 one MPI allreduce per buffer, instead of one MPI call per leaf (161 calls for ResNet-50). Packing
 and unpacking are ordinary XLA ops that fuse with the surrounding step; the packed buffer is
 an intermediate, so the in-place MPI handler (`mnjax.native`) reduces it where it lies. On a
@@ -26,18 +26,31 @@ from mnjax.topology import Communicator, check_communicator
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "allreduce_tree", "check_bucket_bytes", "check_float_leaves",
+    "bucket_bytes_from_mb", "default_bucket_bytes",
     "completion_token", "group_by_dtype", "pack", "plan_buckets", "sum_buffer", "unpack",
     "wire_dtype_of",
 ]
 
 
-# 4 MiB buckets by default. Measured (python -m mnjax.bench allreduce, docs/design/allreduce.md):
-# on ResNet-50's 161 leaves, 2 ranks, XLA:CPU, 4 MiB buckets took 103 ms against 334 ms
-# for one fused 102 MB buffer (79 vs 106 ms with glibc tuned), because packing costs
-# memory passes and buffers above glibc's 32 MB mmap threshold are page-faulted afresh per
-# call; leaves above the cap travel unpacked. Small models stay one buffer (the digits CNN:
-# 605 kB), and ResNet-50 takes ~30 calls, a few percent of its step in MPI latency.
-DEFAULT_BUCKET_BYTES = 4 << 20
+# The default bucket cap per platform (``bucket_bytes="auto"``), see `default_bucket_bytes`.
+DEFAULT_BUCKET_BYTES: dict[str, int] = {"cpu": 4 << 20, "gpu": 4 << 20}
+
+
+def default_bucket_bytes(comm: Communicator) -> int:
+  """The bucket cap ``bucket_bytes="auto"`` gives on `comm`'s platform.
+
+  CPU (measured with ``python -m mnjax.bench allreduce``, ResNet-50's 161 leaves at 2 ranks,
+  docs/design/allreduce.md): PLACEHOLDER.
+  GPU (from the cost model until a GPU measures it): `mnjax.costmodel.step.best_bucket_bytes`
+  for ResNet-50 on 8 and 1024 H200s (NDR), ``flat`` and ``xla``, with mnjax's measured
+  per-call overhead, picks 4 MiB (tests/test_costmodel.py checks the two agree).
+
+  Example:
+    >>> default_bucket_bytes(mnjax.create_communicator("flat"))   # on a CPU
+    4194304
+  """
+  platform = comm.devices[0].platform if comm.devices else "cpu"
+  return DEFAULT_BUCKET_BYTES["cpu" if platform == "cpu" else "gpu"]
 
 
 def wire_dtype_of(dtype: Any) -> np.dtype:
@@ -82,8 +95,10 @@ def check_float_leaves(tree: Any, caller: str, *, real: bool = False) -> None:
       )
 
 
-def check_bucket_bytes(bucket_bytes: Any, caller: str) -> int | None:
-  """`bucket_bytes` if it is None (no cap) or a positive int, else a ValueError.
+def check_bucket_bytes(bucket_bytes: Any, caller: str,
+                       comm: Communicator | None = None) -> int | None:
+  """`bucket_bytes` if it is None (no cap) or a positive int, ``"auto"`` resolved for
+  `comm`'s platform (`default_bucket_bytes`), else a ValueError.
 
   Example:
     >>> check_bucket_bytes(25 * 2**20, "allreduce_gradients")
@@ -91,13 +106,35 @@ def check_bucket_bytes(bucket_bytes: Any, caller: str) -> int | None:
   """
   if bucket_bytes is None:
     return None
+  if isinstance(bucket_bytes, str) and bucket_bytes == "auto" and comm is not None:
+    return default_bucket_bytes(comm)
   if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
     raise ValueError(
-        f"{caller}: bucket_bytes must be None (one buffer per dtype, no cap) or a positive number"
-        f" of bytes, got {bucket_bytes!r}; e.g. bucket_bytes=25 * 2**20 for PyTorch DDP's"
-        " default 25 MB buckets."
+        f"{caller}: bucket_bytes must be 'auto' (the platform's default), None (one buffer"
+        f" per dtype, no cap) or a positive number of bytes, got {bucket_bytes!r}; e.g."
+        " bucket_bytes=25 * 2**20 for PyTorch DDP's default 25 MB buckets."
     )
   return int(bucket_bytes)
+
+
+def bucket_bytes_from_mb(value: str) -> int | str | None:
+  """A command-line ``--bucket_mb`` as `bucket_bytes`: ``auto``, ``0`` (one buffer per dtype)
+  or a positive number of MiB.
+
+  Example:
+    >>> bucket_bytes_from_mb("auto"), bucket_bytes_from_mb("0"), bucket_bytes_from_mb("0.5")
+    ('auto', None, 524288)
+  """
+  if value == "auto":
+    return "auto"
+  try:
+    mb = float(value)
+  except ValueError:
+    mb = -1.0
+  if mb < 0:
+    raise ValueError(f"--bucket_mb must be 'auto', 0 (one buffer per dtype) or a positive"
+                     f" number of MiB, got {value!r}.")
+  return None if mb == 0 else max(1, int(mb * 2**20))
 
 
 class Bucket(NamedTuple):
@@ -206,7 +243,7 @@ def unpack(buf: jax.Array, like: list[Any], post=None) -> list[jax.Array]:
 
 
 def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dtype: Any = None,
-                   bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> Any:
+                   bucket_bytes: int | str | None = "auto") -> Any:
   """Sums (or averages) every leaf of `tree` over all replicas; call inside a jitted step.
 
   Leaves are packed into buffers (`plan_buckets`), each reduced once and unpacked to the
@@ -223,8 +260,9 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
     wire_dtype: None (leaves travel in their own precision) or ``jnp.bfloat16`` /
       ``jnp.float16``: cross-process traffic in 16 bits with float32 sums, error bound in
       `mnjax.wire`.
-    bucket_bytes: the largest buffer, in wire bytes (default 4 MiB; a larger leaf travels
-      alone, unpacked), or None for one buffer per dtype.
+    bucket_bytes: the largest buffer, in wire bytes (a larger leaf travels alone,
+      unpacked); ``"auto"``: the platform's default (`default_bucket_bytes`); None: one
+      buffer per dtype.
 
   Returns:
     A pytree like `tree` holding the global sum or mean.
@@ -236,7 +274,7 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   """
   check_communicator(comm, "allreduce_tree")
   wire_dtype = wire.check_wire_dtype(wire_dtype, "allreduce_tree")
-  bucket_bytes = check_bucket_bytes(bucket_bytes, "allreduce_tree")
+  bucket_bytes = check_bucket_bytes(bucket_bytes, "allreduce_tree", comm)
   check_float_leaves(tree, "allreduce_tree", real=wire_dtype is not None)
   if comm.num_replicas == 1:
     return tree

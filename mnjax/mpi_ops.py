@@ -16,7 +16,9 @@ effect used to guarantee is guaranteed instead by construction:
 * within one computation, each collective takes an ``after`` operand: the previous
   collective's result (`mnjax.collectives` threads it). On CPU this is a data dependency
   the handler ignores but XLA must respect (its runtime otherwise runs independent
-  collectives concurrently, in any order); on GPU one stream runs them in program order;
+  collectives concurrently, in any order); on GPU the operand passes through an
+  ``optimization_barrier`` with it, so XLA:GPU's scheduler (which may differ per rank:
+  autotuning runs per process) cannot reorder them either;
 * across computations, one device executes its programs in dispatch order, and every rank
   dispatches the same steps in the same order (SPMD);
 * host-level mpi4py traffic (`broadcast`, `allreduce_metrics`) uses a *different* cloned
@@ -24,11 +26,13 @@ effect used to guarantee is guaranteed instead by construction:
   issued while a step is still running asynchronously can never be matched with it.
 
 The GPU path depends on mpi4jax's FFI handler names and attributes, pinned in
-pyproject.toml (mpi4jax==0.9.1.post2).
+pyproject.toml (mpi4jax==0.9.1.post2), and on its CUDA extension and copy mode, which
+`mnjax.cuda_mpi` checks and sets explicitly.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import ffi
@@ -36,12 +40,11 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import ad, mlir
-from mpi4jax._src.decorators import setup_cuda_mpi
 from mpi4jax._src.jax_compat import abstract_token
 from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
 from mpi4py import MPI
 
-from mnjax import native
+from mnjax import cuda_mpi, native
 
 __all__ = ["allgather", "allreduce_sum", "alltoall"]
 
@@ -125,10 +128,18 @@ def _cpu(target, attrs, aliases=None):
 
 
 def _gpu(target, attrs):
-  """Lowering to mpi4jax's handler (takes and returns a token; `after` unused: one stream)."""
+  """Lowering to mpi4jax's handler, which takes and returns a token.
+
+  `after` becomes a data dependency here too: the operand passes through an
+  ``optimization_barrier`` together with `after`, so the MPI call cannot start before the
+  previous collective's result exists, whatever schedule XLA:GPU picks on each rank
+  (tokens minted per call order nothing). Checked on the lowered and compiled HLO for
+  ``cuda`` by tests/test_lowering.py.
+  """
   def rule(ctx, x, after, **params):
-    del after
-    setup_cuda_mpi()  # mpi4jax's choice between CUDA-aware MPI and staging through the host
+    if _gpu_backend():
+      cuda_mpi.configure()  # mpi4jax's CUDA extension and an explicit copy mode, or why not
+    x = stablehlo.OptimizationBarrierOp([x, after]).results[0]
     token = stablehlo.after_all([])
     sub = ctx.replace(avals_in=(ctx.avals_in[0], abstract_token),
                       avals_out=(*ctx.avals_out, abstract_token))
@@ -136,6 +147,14 @@ def _gpu(target, attrs):
         sub, x, token, **attrs(ctx, **params))
     return [result]
   return rule
+
+
+def _gpu_backend() -> bool:
+  """Whether this process runs on GPUs (lowering for ``cuda`` on a CPU machine only inspects)."""
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
 
 
 def _allreduce_attrs(ctx, *, comm_handle):

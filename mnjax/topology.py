@@ -12,13 +12,15 @@ the same arguments, in the same order relative to other collective calls.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from mpi4py import MPI
 
+from mnjax import devices as devices_lib
 from mnjax import failfast
 
-__all__ = ["Communicator", "create_communicator", "KINDS", "check_communicator"]
+__all__ = ["Communicator", "create_communicator", "KINDS", "check_communicator", "resolve_kind"]
 
 #: Every communicator kind mnjax knows, with what it does (README, "Communicator kinds").
 KINDS: dict[str, str] = {
@@ -28,6 +30,9 @@ KINDS: dict[str, str] = {
     "single_node": "psum over the local devices of a single process, no MPI traffic",
     "xla": "JAX-native: jax.distributed + a global mesh, psum across all devices",
 }
+
+#: Environment variable: emulate this many nodes of consecutive ranks (a testing aid).
+EMULATE_NODES = "MNJAX_EMULATE_NODES"
 
 #: Kinds that drive several local devices from one process (through `mnjax.data_parallel`).
 MULTI_DEVICE_KINDS = ("hierarchical", "two_dimensional", "single_node", "xla")
@@ -98,6 +103,13 @@ class Communicator:
     return jax.sharding.Mesh(np.array(devices, dtype=object), (self.axis_name,))
 
   @property
+  def summary(self) -> str:
+    """One line for a run header: ranks, nodes, devices per rank and their platform, kind."""
+    platform = self.devices[0].platform if self.devices else "?"
+    return (f"{self.size} rank(s) on {self.inter_size} node(s) x {self.local_device_count}"
+            f" {platform} device(s), kind {self.kind}")
+
+  @property
   def is_root(self) -> bool:
     """True on rank 0, the rank that logs and writes files."""
     return self.rank == 0
@@ -121,27 +133,55 @@ def check_communicator(comm: Any, caller: str) -> Communicator:
 
 
 def _check_kind(kind: Any) -> str:
-  if not isinstance(kind, str) or kind not in KINDS:
+  if not isinstance(kind, str) or (kind not in KINDS and kind != "auto"):
     raise ValueError(
         f"create_communicator: unknown communicator kind {kind!r}. Expected one of"
-        f" {', '.join(repr(k) for k in KINDS)}; for one MPI process per device use"
-        " create_communicator('flat')."
+        f" {', '.join(repr(k) for k in KINDS)} or 'auto'; for one MPI process per device"
+        " use create_communicator('flat')."
     )
   return kind
 
 
-def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int) -> None:
+def resolve_kind(kind: str) -> str:
+  """`kind`, with ``auto`` replaced by the kind mnjax recommends for this machine.
+
+  ``xla`` where JAX will run on GPUs: NCCL through XLA's collectives, which XLA schedules
+  alongside compute; mpi4jax's GPU handlers synchronise the stream and stage every call
+  through host memory (README, "On GPUs"). ``flat`` on CPUs: the fastest MPI kind measured
+  here (`python -m mnjax.bench kinds`). Local: reads the CUDA driver and JAX's state only.
+
+  Example:
+    >>> resolve_kind("auto")   # on a CPU machine
+    'flat'
+  """
+  kind = _check_kind(kind)
+  if kind != "auto":
+    return kind
+  if _jax_started():
+    import jax  # noqa: PLC0415
+
+    return "xla" if jax.local_devices()[0].platform == "gpu" else "flat"
+  return "xla" if devices_lib.gpus_expected(devices_lib.gpu_inventory()) else "flat"
+
+
+
+
+def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int,
+                           local_device_ids: tuple[int, ...] | None) -> None:
   """`jax.distributed` for the ``xla`` kind, or the same clear error on every rank.
 
   It must start before JAX touches a device; the ranks first agree (over MPI) that none has,
   so that no rank waits alone in ``jax.distributed.initialize`` for peers that raised.
+  `local_device_ids` (GPUs only) are the ordinals this process drives: without them JAX
+  assumes one process per GPU and opens only ``[local_rank]``, wrong for one process per
+  node and for launchers that give each task its own GPU (it would ask for a GPU that the
+  task cannot see).
   """
   import jax  # noqa: PLC0415
-  from jax._src import xla_bridge  # noqa: PLC0415 (no public query for this)
 
   if jax.distributed.is_initialized():
     return
-  late = mpi_comm.allgather(xla_bridge.backends_are_initialized())
+  late = mpi_comm.allgather(_jax_started())
   if any(late):
     raise ValueError(
         "create_communicator('xla') must run before JAX uses any device, because it starts"
@@ -154,7 +194,8 @@ def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
     jax.distributed.initialize(
-        cluster_detection_method="mpi4py", initialization_timeout=timeout
+        cluster_detection_method="mpi4py", initialization_timeout=timeout,
+        local_device_ids=list(local_device_ids) if local_device_ids else None,
     )
   except Exception as error:  # every rank gets here: the coordinator is shared
     raise RuntimeError(
@@ -165,37 +206,26 @@ def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int) -> None:
     ) from error
 
 
-def _local_devices(kind: str, requested: int | None, mpi_comm: MPI.Intracomm) -> tuple:
-  """The devices this process drives; every check here is local and identical on all ranks
-  of a homogeneous job, so a bad request raises everywhere before any collective."""
-  import jax  # noqa: PLC0415
+def _jax_started() -> bool:
+  from jax._src import xla_bridge  # noqa: PLC0415 (no public query for this)
 
-  available = jax.local_devices()
-  if kind not in MULTI_DEVICE_KINDS:
-    if requested not in (None, 1):
-      raise ValueError(
-          f"create_communicator: kind {kind!r} drives one device per process, got"
-          f" local_devices={requested}; use kind 'hierarchical' or 'two_dimensional' to"
-          " drive several local devices from one process."
-      )
-    return (available[0],)
-  if kind == "single_node" and mpi_comm.size > 1:
+  return xla_bridge.backends_are_initialized()
+
+
+def _node_split(clone: MPI.Intracomm) -> MPI.Intracomm:
+  """The processes on this node: MPI's shared-memory split, or with ``MNJAX_EMULATE_NODES=k``
+  (a testing aid) ``k`` nodes of consecutive ranks, so one host can play a small cluster."""
+  emulate = os.environ.get(EMULATE_NODES, "")
+  if not emulate:
+    return clone.Split_type(MPI.COMM_TYPE_SHARED, key=clone.rank)
+  k = int(emulate) if emulate.isdigit() else 0
+  if k < 1 or clone.size % k:
     raise ValueError(
-        f"create_communicator: kind 'single_node' reduces over the devices of one process"
-        f" only, but this job has {mpi_comm.size} processes. Run it without mpirun, or"
-        " use kind 'hierarchical' to add MPI between processes."
+        f"create_communicator: {EMULATE_NODES}={emulate!r} must be a positive number of"
+        f" emulated nodes that divides the {clone.size} processes; unset it to use the real"
+        " nodes."
     )
-  n = len(available) if requested is None else requested
-  if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-    raise ValueError(f"create_communicator: local_devices must be a positive int, got {requested!r}.")
-  if n > len(available):
-    raise ValueError(
-        f"create_communicator: {n} local devices requested, but this process has"
-        f" {len(available)} ({available[0].platform}). Request at most {len(available)};"
-        " on CPU, emulate more with"
-        f" XLA_FLAGS=--xla_force_host_platform_device_count={n} set before JAX starts."
-    )
-  return tuple(available[:n])
+  return clone.Split(color=clone.rank // (clone.size // k), key=clone.rank)
 
 
 def create_communicator(
@@ -206,24 +236,34 @@ def create_communicator(
     local_devices: int | None = None,
     distributed_timeout: int = 120,
     abort_on_error: bool = True,
+    share_devices: bool = False,
 ) -> Communicator:
   """Builds the communicator for data-parallel training (collective: call on every rank).
 
   Args:
     kind: how gradients are reduced; one of `KINDS`. ``flat``: one MPI process per device.
       ``hierarchical``, ``two_dimensional``, ``single_node``: one process drives its local
-      devices; run the step with `mnjax.data_parallel`.
+      devices; run the step with `mnjax.data_parallel`. ``auto``: ``xla`` (NCCL) where
+      JAX will run on GPUs, ``flat`` on CPUs (`resolve_kind`).
     mpi_comm: the MPI communicator whose processes train together (default:
       ``MPI.COMM_WORLD``); mnjax uses a private clone of it. ``MPI.COMM_SELF`` gives a
       size-1 communicator.
     axis_name: name of the mapped local-device axis, for user code that reduces over it
       (e.g. flax ``BatchNorm(axis_name=comm.axis_name)``).
     local_devices: for the multi-device kinds, how many local devices to drive (default:
-      all of ``jax.local_devices()``; ``xla`` always uses all).
+      this process's share of its node's devices, `mnjax.devices.plan_devices`; ``xla``
+      always uses its whole share).
     distributed_timeout: ``xla`` only: seconds `jax.distributed` waits for every process.
     abort_on_error: when the job has several processes, an uncaught exception on any rank
       aborts every rank (`mnjax.failfast`) instead of leaving the others waiting in a
       collective forever. Pass False to keep Python's own handler.
+    share_devices: allow several processes to drive one GPU (tests, small models); each
+      then preallocates its share of the memory. Without it, that layout is an error.
+
+  Devices: each process drives its own (``flat``: node-local rank *i* on GPU *i*), chosen
+  before JAX starts so that JAX opens only those GPUs; ``jax_default_device`` is set to
+  ``devices[0]``. Call it before any other JAX call. ``MNJAX_EMULATE_NODES=k`` (a testing
+  aid) splits the ranks into ``k`` nodes of consecutive ranks.
 
   Returns:
     A frozen, hashable `Communicator`.
@@ -245,20 +285,40 @@ def create_communicator(
   if not isinstance(axis_name, str) or not axis_name:
     raise ValueError(f"create_communicator: axis_name must be a non-empty str, got {axis_name!r}.")
 
-  if kind == "xla":
-    if local_devices is not None:
-      raise ValueError("create_communicator: kind 'xla' uses every local device; drop local_devices.")
-    _start_jax_distributed(mpi_comm, distributed_timeout)
-  devices = _local_devices(kind, local_devices, mpi_comm)
+  if kind == "xla" and local_devices is not None:
+    raise ValueError("create_communicator: kind 'xla' uses every device this process drives;"
+                     " drop local_devices.")
+  if kind == "single_node" and mpi_comm.size > 1:
+    raise ValueError(
+        f"create_communicator: kind 'single_node' reduces over the devices of one process"
+        f" only, but this job has {mpi_comm.size} processes. Run it without mpirun, or"
+        " use kind 'hierarchical' to add MPI between processes."
+    )
+  if not isinstance(share_devices, bool):
+    raise TypeError(f"create_communicator: share_devices must be a bool, got {share_devices!r}.")
   clone = mpi_comm.Clone()
-  node = clone.Split_type(MPI.COMM_TYPE_SHARED, key=clone.rank)
+  kind = devices_lib.agree(clone, resolve_kind, kind)
+  if len(set(clone.allgather(kind))) > 1:
+    raise ValueError(
+        f"create_communicator('auto') chose different kinds on different ranks"
+        f" ({clone.allgather(kind)}): some nodes see GPUs and others do not. Pass the kind"
+        " explicitly."
+    )
+  node = devices_lib.agree(clone, _node_split, clone)
   intra_rank, intra_size = node.rank, node.size
   # Node index: count the node leaders (node-local rank 0) that come before ours.
   leader = int(intra_rank == 0)
   inter_size = clone.allreduce(leader)
   before = clone.exscan(leader)
   inter_rank = node.bcast(before or 0, root=0)
+  devices = devices_lib.choose_devices(
+      kind, local_devices, share_devices, clone, node, started=_jax_started(),
+      start_distributed=lambda ids: _start_jax_distributed(clone, distributed_timeout, ids))
   node.Free()
+  import jax  # noqa: PLC0415 (started by _choose_devices)
+
+  # A plain jax.jit in user code (no committed inputs) runs on the device this rank drives.
+  jax.config.update("jax_default_device", devices[0])
   if abort_on_error and clone.size > 1:
     failfast.install()
   return Communicator(

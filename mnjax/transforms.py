@@ -35,13 +35,13 @@ __all__ = ["allreduce_gradients"]
 
 
 def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
-                        bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
+                        bucket_bytes: int | str | None = "auto",
                         preflight_timeout: float = preflight.DEFAULT_TIMEOUT,
                         ) -> optax.GradientTransformation:
   """Averages (or sums) gradients over all replicas: ChainerMN's multi-node optimizer as optax.
 
-  The gradient pytree is packed into contiguous buffers (buckets of at most 4 MiB per dtype
-  by default) and reduced with one MPI allreduce each, not one call per leaf.
+  The gradient pytree is packed into contiguous buffers (buckets of at most `bucket_bytes`
+  per dtype) and reduced with one MPI allreduce each, not one call per leaf.
   Half-precision leaves travel as float32 unless a half-precision `wire_dtype` is asked for.
 
   Args:
@@ -55,9 +55,10 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
       65504 (never a silent finite value).
     bucket_bytes: the largest fused buffer in wire bytes, like PyTorch DDP's
       ``bucket_cap_mb`` and Horovod's fusion threshold; a larger leaf travels alone,
-      unpacked. Default 4 MiB (`mnjax.collectives.DEFAULT_BUCKET_BYTES`, chosen by
-      ``python -m mnjax.bench allreduce``); None fuses each dtype into one buffer (fewest
-      calls: ChainerMN's behaviour).
+      unpacked. ``"auto"`` (default): the cap chosen for the communicator's platform
+      (`mnjax.collectives.default_bucket_bytes`: measured on CPU with ``python -m
+      mnjax.bench allreduce``, from the cost model on GPU); None fuses each dtype into one
+      buffer (fewest calls: ChainerMN's behaviour).
     preflight_timeout: seconds a rank waits, when the step is first traced, for every
       other rank to reach the same pre-flight check (`mnjax.preflight`); then it raises
       instead of hanging.
@@ -81,7 +82,7 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
   if not isinstance(mean, bool):
     raise TypeError(f"{caller}: mean must be a bool, got {mean!r}.")
   wire_dtype = wire.check_wire_dtype(wire_dtype, caller)
-  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller)
+  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller, comm)
   real = wire_dtype is not None
   if not isinstance(preflight_timeout, (int, float)) or not preflight_timeout > 0:
     raise ValueError(f"{caller}: preflight_timeout must be a positive number of seconds,"

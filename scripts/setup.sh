@@ -3,7 +3,8 @@
 #
 #   scripts/setup.sh                 # .venv with MPICH from the `mpich` wheel (one machine)
 #   MNJAX_MPI=system scripts/setup.sh  # use the cluster's MPI (its mpicc must be on PATH)
-#   MNJAX_EXTRAS=cuda scripts/setup.sh # also jaxlib's CUDA plugin
+#   MNJAX_EXTRAS=cuda scripts/setup.sh # also jaxlib's CUDA plugin, and mpi4jax's CUDA extension
+#                                      # (rebuilt if a CPU-only build is installed); checked
 #
 # Environment:
 #   MNJAX_VENV    where the venv lives (default: <repo>/.venv)
@@ -95,17 +96,34 @@ find_cuda_root() {
     [ -f "$cand/include/cuda_runtime.h" ] && { echo "$cand"; return; }
   done
 }
+want_cuda=0
+case ",$extras," in *,cuda,*) want_cuda=1 ;; esac
 cuda_root="$(find_cuda_root || true)"
 if [ -z "$cuda_root" ]; then
+  if [ "$want_cuda" = 1 ]; then
+    echo "setup.sh: MNJAX_EXTRAS=cuda, but no CUDA toolkit headers (include/cuda_runtime.h)" \
+         "were found, so mpi4jax's CUDA extension cannot be built. Load the toolkit (module" \
+         "load cuda) or set CUDA_ROOT to the folder whose include/ holds cuda_runtime.h." >&2
+    exit 2
+  fi
   cuda_root="$venv/.no-cuda"   # exists, has no include/: mpi4jax builds its CPU extension only
   mkdir -p "$cuda_root"
   echo "setup.sh: no CUDA toolkit headers found; building mpi4jax for CPU only" >&2
 else
   echo "setup.sh: building mpi4jax with CUDA from $cuda_root" >&2
 fi
+mpi4jax_cuda() {  # 0 when mpi4jax's CUDA extension loads
+  "$venv/bin/python" -c "import sys; from mpi4jax._src import xla_bridge as b; sys.exit(0 if b.HAS_CUDA_EXT else 1)" 2>/dev/null
+}
 if ! "$venv/bin/python" -c "import mpi4jax" 2>/dev/null; then
   CUDA_ROOT="$cuda_root" CUDA_PATH="" \
     "${pip[@]}" install --no-build-isolation --no-deps "mpi4jax==$mpi4jax_pin"
+elif [ "$want_cuda" = 1 ] && ! mpi4jax_cuda; then
+  # A venv first built for CPU: rebuild from source (not from pip's cache of the CPU wheel).
+  echo "setup.sh: the installed mpi4jax has no CUDA extension; rebuilding it with CUDA" >&2
+  CUDA_ROOT="$cuda_root" CUDA_PATH="" \
+    "${pip[@]}" install --no-build-isolation --no-deps --no-cache-dir --force-reinstall \
+    "mpi4jax==$mpi4jax_pin"
 fi
 
 spec="$repo[test"
@@ -118,5 +136,24 @@ spec="$spec]"
 # wrapper; rebuilt automatically on first use whenever the source is newer.
 PATH="$venv/bin:$PATH" "$venv/bin/python" -m mnjax.native >/dev/null
 "$venv/bin/python" -c "import mnjax, mpi4jax" >/dev/null
+if [ "$want_cuda" = 1 ]; then
+  if ! mpi4jax_cuda; then
+    echo "setup.sh: mpi4jax was built with CUDA from $cuda_root, but its CUDA extension does" \
+         "not load (import mpi4jax._src.xla_bridge.mpi_xla_bridge_cuda to see why; a toolkit" \
+         "newer than the driver?). The MPI kinds cannot run on GPUs; kind 'xla' can." >&2
+    exit 2
+  fi
+  gpus="$("$venv/bin/python" -c "import jax; print(len(jax.devices('gpu')))" 2>/dev/null || echo 0)"
+  if [ "$gpus" = 0 ]; then
+    echo "setup.sh: note: JAX's CUDA plugin is installed but sees no GPU here (a login node," \
+         "or no driver: nvidia-smi). Runs on GPU nodes will use it; runs here fail with how to" \
+         "fix it unless JAX_PLATFORMS=cpu." >&2
+  else
+    echo "setup.sh: JAX sees $gpus GPU(s); mpi4jax's CUDA extension loads" >&2
+  fi
+fi
+# How mpi4jax hands GPU buffers to MPI (scripts/activate.sh exports it): the mpich wheel
+# is not CUDA-aware, so buffers go through host memory; a cluster MPI is the user's call.
+echo "$mpi_kind" > "$venv/.mnjax-mpi"
 echo "$stamp" > "$venv/.mnjax-stamp"
 echo "setup.sh: ready ($venv)" >&2

@@ -47,7 +47,8 @@ SIZES = (4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20,
          RESNET50_FP32 // 2, 64 << 20, RESNET50_FP32, 128 << 20)
 SWEEP = ("raw_mpi", "raw_mpi_in_place", "mpi4jax", "mnjax_fp32", "mnjax_fp32_copy",
          "mnjax_bf16", "mnjax_fp16", "bf16_exchange_only")
-BUCKETS_MB = (1, 4, 25)
+BUCKETS = {"64kB": 64 << 10, "256kB": 256 << 10, "1MB": 1 << 20, "4MB": 4 << 20,
+           "25MB": 25 << 20}
 # glibc: one arena, no mmap below 1 GiB, no trimming, so large buffers are reused, not
 # page-faulted afresh on every call.
 TUNED_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
@@ -62,6 +63,10 @@ def _parse(argv):
   p.add_argument("--seconds", type=float, default=0.05, help="target seconds per timed round")
   p.add_argument("--no_psum", action="store_true", help="skip the jax.distributed launch")
   p.add_argument("--tuned_malloc", action="store_true", help="workers run with TUNED_MALLOC")
+  p.add_argument("--no_resnet50", action="store_true", help="skip the ResNet-50 table")
+  p.add_argument("--share_devices", action="store_true",
+                 help="ranks may share a GPU (create_communicator(share_devices=True))")
+  p.add_argument("--bind", default="core", help="mpirun --bind-to (none: off)")
   p.add_argument("--out", default="runs/bench/allreduce.json")
   p.add_argument("--worker", choices=("mpi", "psum"), help=argparse.SUPPRESS)
   return p.parse_args(argv)
@@ -163,7 +168,8 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
 
   fns = {"raw_mpi_fused": raw, "mpi4jax_per_leaf": jax.jit(per_leaf_mpi4jax),
          "mnjax_per_leaf": tree_fn(bucket_bytes=1)}
-  fns.update({f"mnjax_bucket_{mb}MB": tree_fn(bucket_bytes=mb << 20) for mb in BUCKETS_MB})
+  fns["mnjax_default"] = tree_fn()
+  fns.update({f"mnjax_bucket_{label}": tree_fn(bucket_bytes=n) for label, n in BUCKETS.items()})
   fns["mnjax_fused"] = tree_fn(bucket_bytes=None)
   fns["mnjax_fused_bf16"] = tree_fn(bucket_bytes=None, wire_dtype=jnp.bfloat16)
   fns["mnjax_default_bf16"] = tree_fn(wire_dtype=jnp.bfloat16)
@@ -174,7 +180,7 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
 def _mpi_worker(args) -> dict:
   import mnjax
 
-  comm = mnjax.create_communicator("flat")
+  comm = mnjax.create_communicator("flat", share_devices=args.share_devices)
   host = comm.mpi_comm
   sweep = []
   for nbytes in SIZES:
@@ -183,6 +189,8 @@ def _mpi_worker(args) -> dict:
     fns, state = _sweep_fns(max(1, nbytes // 4), comm)
     sweep.append({"bytes": nbytes, "seconds": _time(fns, state, host, args.rounds, args.seconds)})
     del fns, state
+  if args.no_resnet50:
+    return {"ranks": comm.size, "sweep": sweep}
   fns, state = _resnet_fns(comm)
   resnet = _time(fns, state, host, args.rounds, args.seconds)
   return {"ranks": comm.size,
@@ -236,11 +244,38 @@ def _report(results: dict) -> None:
       else:
         cells.append(f"{t * 1e6:8.1f} us ({raw / t:4.2f}x)")
     print(f"{row['bytes']:>11,d} " + " ".join(f"{c:>20s}" for c in cells))
+  if "resnet50" not in results["mpi"]:
+    return
   r50 = results["mpi"]["resnet50"]
   print("\nResNet-50 gradient (161 leaves, 25.6M float32): time per allreduce")
   for name, t in r50.items():
     print(f"  {name:22s} {t * 1e3:9.2f} ms   {r50['mnjax_per_leaf'] / t:5.2f}x vs mnjax per leaf,"
           f" {r50['raw_mpi_fused'] / t:5.2f}x vs raw MPI fused")
+
+
+def measure(argv: list[str], *, timeout: float = 1800) -> dict:
+  """Runs the benchmark's launches (MPI methods; then psum unless ``--no_psum``) -> results.
+
+  Args:
+    argv: the benchmark's options, as on its command line.
+    timeout: seconds each mpirun launch may take.
+
+  Example:
+    >>> measure(["--max_bytes", "1e6", "--no_psum"])["mpi"]["sweep"][-1]["bytes"]
+    1048576
+  """
+  import os
+
+  from mnjax.bench.launch import relaunch
+
+  args = _parse(argv)
+  env = TUNED_MALLOC if args.tuned_malloc else {}
+  results = {"benchmark": "allreduce", "launch": f"mpirun --bind-to {args.bind} -n {args.ranks}",
+             "malloc_env": {k: os.environ.get(k) for k in TUNED_MALLOC} | env}
+  for worker in ("mpi",) if args.no_psum else ("mpi", "psum"):
+    results[worker] = relaunch("allreduce", [*argv, "--worker", worker], ranks=args.ranks,
+                               bind=args.bind, env=env, timeout=timeout)
+  return results
 
 
 def main(argv):
@@ -254,17 +289,7 @@ def main(argv):
     if MPI.COMM_WORLD.rank == 0:
       print(json.dumps(result))
     return
-  from mnjax.bench.launch import relaunch
-
-  import os
-
-  env = TUNED_MALLOC if args.tuned_malloc else {}
-  results = {"benchmark": "allreduce", "launch": f"mpirun --bind-to core -n {args.ranks}",
-             "malloc_env": {k: os.environ.get(k) for k in TUNED_MALLOC} | env}
-  results["mpi"] = relaunch("allreduce", [*argv, "--worker", "mpi"], ranks=args.ranks, env=env)
-  if not args.no_psum:
-    results["psum"] = relaunch("allreduce", [*argv, "--worker", "psum"], ranks=args.ranks,
-                               env=env)
+  results = measure(argv)
   _report(results)
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(results, indent=2))

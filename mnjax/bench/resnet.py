@@ -42,7 +42,8 @@ from mnjax.bench.rounds import time_rounds
 MODELS = {"resnet18": models.ResNet18, "resnet50": models.ResNet50}
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  """The benchmark's options (``python -m mnjax.bench resnet --help``)."""
   p = argparse.ArgumentParser(prog="python -m mnjax.bench resnet",
                               description=__doc__.split("\n")[0])
   p.add_argument("--model", choices=sorted(MODELS), default="resnet50")
@@ -51,6 +52,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=3, help="steps per timed round")
   p.add_argument("--rounds", type=int, default=3, help="timed rounds per variant")
   p.add_argument("--bind", default="core", help="mpirun --bind-to (none: off)")
+  p.add_argument("--share_devices", type=int, default=0,
+                 help="1: ranks may share a GPU (create_communicator(share_devices=True))")
   p.add_argument("--out", default="runs/bench/resnet.json", help="JSON results")
   p.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
   return p.parse_args(argv)
@@ -69,7 +72,7 @@ def _variants(ranks: int, comm: mnjax.Communicator) -> dict:
 
 
 def _worker(args) -> dict:
-  comm = mnjax.create_communicator("flat")
+  comm = mnjax.create_communicator("flat", share_devices=bool(args.share_devices))
   rng = np.random.default_rng(comm.rank)
   shape = (args.batch_per_rank, args.image_size, args.image_size, 3)
   images = jnp.asarray(rng.normal(size=shape).astype(np.float32))
@@ -78,7 +81,9 @@ def _worker(args) -> dict:
   states = {}
   for name, (norm, tx) in _variants(comm.size, comm).items():
     model = MODELS[args.model](num_classes=1000, norm=norm)
-    state = bn_classifier.create_state(model, tx, images[:1], jax.random.key(0))
+    # Jitted: eager init runs (and compiles) ResNet's ops one by one, 3-5x slower.
+    state = jax.jit(lambda: bn_classifier.create_state(model, tx, images[:1],
+                                                       jax.random.key(0)))()
     for _ in range(2):  # compile, warm up
       state, _ = step(state, images, labels)
     states[name] = jax.block_until_ready(state)
@@ -86,18 +91,27 @@ def _worker(args) -> dict:
                      rounds=args.rounds, steps=args.steps)
 
 
-def main(argv: list[str]) -> None:
-  args = _parse(argv)
-  if args.worker:
-    seconds = _worker(args)
-    if MPI.COMM_WORLD.rank == 0:
-      print(json.dumps(seconds), flush=True)
-    return
+def launch(args: argparse.Namespace, ranks: int, *, timeout: float = 1800) -> dict[str, float]:
+  """Seconds per step of each variant at `ranks` (1 or 2) ranks: one mpirun launch.
+
+  Example:
+    >>> launch(parse_args(["--model", "resnet18"]), 2)
+    {'allreduce': 0.41, 'allreduce_local_bn': 0.39, 'no_communication': 0.33}
+  """
   common = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("worker", "out", "bind")]
-  one = relaunch("resnet", common + ["--worker=1"], ranks=1, bind=args.bind)
-  two = relaunch("resnet", common + ["--worker=2"], ranks=2, bind=args.bind)
+  return relaunch("resnet", common + [f"--worker={ranks}"], ranks=ranks, bind=args.bind,
+                  timeout=timeout)
+
+
+def summarize(args: argparse.Namespace, one: dict[str, float], two: dict[str, float]) -> dict:
+  """The benchmark's figures from the 1-rank and 2-rank seconds per step (`launch`).
+
+  Example:
+    >>> summarize(args, launch(args, 1), launch(args, 2))["weak_scaling_efficiency"]
+    0.93
+  """
   ips = lambda seconds, ranks: ranks * args.batch_per_rank / seconds  # noqa: E731
-  result = {
+  return {
       "config": {k: v for k, v in vars(args).items() if k != "worker"},
       "seconds_per_step": {"1_rank": one, "2_ranks": two},
       "images_per_second": {**{f"1_rank_{k}": ips(v, 1) for k, v in one.items()},
@@ -108,6 +122,16 @@ def main(argv: list[str]) -> None:
       "local_bn_efficiency": two["no_communication"] / two["allreduce_local_bn"],
       "weak_scaling_efficiency": ips(two["allreduce"], 2) / (2 * ips(one["mnjax"], 1)),
   }
+
+
+def main(argv: list[str]) -> None:
+  args = parse_args(argv)
+  if args.worker:
+    seconds = _worker(args)
+    if MPI.COMM_WORLD.rank == 0:
+      print(json.dumps(seconds), flush=True)
+    return
+  result = summarize(args, launch(args, 1), launch(args, 2))
   print(f"{args.model} at {args.image_size} px, {args.batch_per_rank} images/rank/step"
         f" (median of {args.rounds} rounds x {args.steps} steps, --bind-to {args.bind})")
   for name, value in result["images_per_second"].items():

@@ -1,0 +1,304 @@
+"""Which devices a process drives: one GPU per rank, chosen before JAX opens any.
+
+Why this exists: JAX opens every GPU the launcher leaves visible and by default preallocates
+75% of each. Under ``mpirun -n 8`` on an 8-GPU node, eight processes that each drive "the
+first device" all land on GPU 0 and the other ranks run out of memory. So the choice is
+made here, from the node-local rank, and applied before JAX starts its backends: JAX is told
+to open only the chosen GPUs (``jax_cuda_visible_devices``, what ``jax.distributed`` uses for
+``local_device_ids``), and a plain ``jax.jit`` without explicit placement runs on the chosen
+device (``jax_default_device``).
+
+The rules (`plan_devices`, a pure function, unit-tested for the usual GPU layouts):
+
+* A GPU is known by its PCI bus id, read from the CUDA driver without creating a context
+  (`gpu_inventory`). Processes on one node compare what they see: *shared* visibility (every
+  process sees the same GPUs: plain ``mpirun``) or *private* (the launcher gave each its own,
+  e.g. ``srun --gpus-per-task=1``, where every task sees its one GPU as ordinal 0).
+* ``flat`` (one device per process): shared: node-local rank *i* drives GPU *i*; private:
+  the process drives its first GPU. Two processes driving one GPU is an error on every rank
+  (``share_devices=True`` allows it, splitting the memory fraction), so is more ranks on a
+  node than GPUs.
+* Multi-device kinds: shared: the node's GPUs are split into equal contiguous slices, one per
+  process (all of them for one process per node); private: every GPU the process sees.
+* CPU devices are private to each process (``--xla_force_host_platform_device_count``
+  emulates several): multi-device kinds drive all of them (or ``local_devices``), and
+  ``flat`` drives device ``intra_rank % count``, so an emulated node places ranks the way a
+  GPU node would. CPU devices may be shared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.util
+import os
+import warnings
+from typing import Sequence
+
+__all__ = ["Layout", "gpu_inventory", "plan_devices"]
+
+#: Kinds that drive one device per process; the others drive several (`data_parallel`).
+ONE_DEVICE_KINDS = ("flat",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """What one process sees, and where it sits on its node.
+
+  Attributes:
+    platform: ``"gpu"`` or ``"cpu"``.
+    visible: how many devices of that platform this process can see.
+    intra_rank: this process's rank among the processes on its node.
+    intra_size: the number of processes on the node.
+    shared: every process on the node sees the same devices (always False on CPU).
+  """
+
+  platform: str
+  visible: int
+  intra_rank: int
+  intra_size: int
+  shared: bool
+
+
+def plan_devices(kind: str, layout: Layout, *, requested: int | None = None,
+                 share_devices: bool = False) -> tuple[int, ...]:
+  """The indices, among the devices this process sees, of those it drives.
+
+  Raises a `ValueError` saying what was expected and how to launch instead when the layout
+  cannot give every process its own devices.
+
+  Example:
+    >>> plan_devices("flat", Layout("gpu", 8, intra_rank=3, intra_size=8, shared=True))
+    (3,)
+    >>> plan_devices("two_dimensional", Layout("gpu", 8, intra_rank=0, intra_size=1, shared=True))
+    (0, 1, 2, 3, 4, 5, 6, 7)
+    >>> plan_devices("flat", Layout("gpu", 1, intra_rank=5, intra_size=8, shared=False))
+    (0,)
+  """
+  where = (f"node-local rank {layout.intra_rank} of {layout.intra_size}, which sees"
+           f" {layout.visible} {layout.platform.upper()} device(s)")
+  if layout.visible < 1:
+    raise ValueError(f"create_communicator: no {layout.platform} device is visible to this"
+                     " process; check the launcher's GPU binding (CUDA_VISIBLE_DEVICES).")
+  if kind in ONE_DEVICE_KINDS:
+    if requested not in (None, 1):
+      raise ValueError(
+          f"create_communicator: kind {kind!r} drives one device per process, got"
+          f" local_devices={requested}; use kind 'hierarchical' or 'two_dimensional' to"
+          " drive several local devices from one process."
+      )
+    if layout.platform == "cpu" or (layout.shared and share_devices):
+      return (layout.intra_rank % layout.visible,)
+    if not layout.shared:
+      return (0,)
+    if layout.intra_size > layout.visible:
+      raise ValueError(
+          f"create_communicator: {layout.intra_size} processes on this node share"
+          f" {layout.visible} GPU(s) ({where}); kind 'flat' needs one GPU per process."
+          f" Launch at most {layout.visible} processes per node (mpirun -n"
+          f" {layout.visible} per node, or srun --ntasks-per-node={layout.visible}"
+          " --gpus-per-task=1), or one process per node with kind 'xla' or"
+          " 'two_dimensional'. To share GPUs deliberately (tests, small models), pass"
+          " create_communicator(..., share_devices=True)."
+      )
+    return (layout.intra_rank,)
+
+  if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)
+                                or requested < 1):
+    raise ValueError(f"create_communicator: local_devices must be a positive int, got {requested!r}.")
+  if layout.platform == "cpu" or not layout.shared or layout.intra_size == 1:
+    n = layout.visible if requested is None else requested
+    if n > layout.visible:
+      raise ValueError(
+          f"create_communicator: {n} local devices requested, but this process has"
+          f" {layout.visible} ({layout.platform}). Request at most {layout.visible};"
+          " on CPU, emulate more with"
+          f" XLA_FLAGS=--xla_force_host_platform_device_count={n} set before JAX starts."
+      )
+    return tuple(range(n))
+  per = layout.visible // layout.intra_size if requested is None else requested
+  if per < 1 or per * layout.intra_size > layout.visible:
+    if share_devices:
+      per = max(1, min(per, layout.visible))
+      return tuple((layout.intra_rank * per + i) % layout.visible for i in range(per))
+    raise ValueError(
+        f"create_communicator: kind {kind!r} with {layout.intra_size} processes on this node"
+        f" cannot give each {per or 'one or more'} of its own GPUs ({where}). Launch one"
+        " process per node (it drives every GPU), or choose local_devices so that"
+        " processes x local_devices <= GPUs per node."
+    )
+  return tuple(range(layout.intra_rank * per, (layout.intra_rank + 1) * per))
+
+
+def gpu_inventory() -> tuple[str, ...]:
+  """PCI bus ids of the NVIDIA GPUs this process can see, in CUDA ordinal order.
+
+  Read from the CUDA driver (``libcuda``: ``cuInit``, ``cuDeviceGetPCIBusId``), which
+  applies ``CUDA_VISIBLE_DEVICES`` and the launcher's device binding but creates no context
+  and reserves no memory, so it is safe before JAX starts. Empty without a driver or GPU.
+
+  Example:
+    >>> gpu_inventory()        # on a CPU machine
+    ()
+  """
+  try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    return ()
+  count = ctypes.c_int(0)
+  if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+    return ()
+  ids = []
+  for ordinal in range(count.value):
+    device, name = ctypes.c_int(0), ctypes.create_string_buffer(64)
+    if cuda.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
+      return tuple(ids)
+    if cuda.cuDeviceGetPCIBusId(name, 64, device) != 0:
+      ids.append(f"ordinal-{ordinal}")
+    else:
+      ids.append(name.value.decode().lower())
+  return tuple(ids)
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether jaxlib's CUDA plugin (the ``cuda`` extra) is installed."""
+  return any(importlib.util.find_spec(name) is not None
+             for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+
+def gpus_expected(inventory: Sequence[str]) -> bool:
+  """Whether JAX will start on GPUs: some are visible, the plugin is installed and
+  ``JAX_PLATFORMS`` (if set) admits them."""
+  platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+  allowed = not platforms or any(p in platforms for p in ("cuda", "gpu"))
+  return bool(inventory) and cuda_plugin_installed() and allowed
+
+
+def restrict_visible(ordinals: Sequence[int], sharers: int) -> None:
+  """Before JAX starts: open only these GPUs; with `sharers` processes on one GPU, split
+  the preallocated memory fraction between them (unless the user set it)."""
+  import jax  # noqa: PLC0415
+
+  jax.config.update("jax_cuda_visible_devices", ",".join(str(o) for o in ordinals))
+  if sharers > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.75 / sharers:.3f}"
+
+
+def warn_opened_others(driven: int, opened: int) -> None:
+  """JAX started before mnjax chose: it holds memory on GPUs this process does not drive."""
+  warnings.warn(
+      f"mnjax: JAX started before create_communicator and opened {opened} GPUs, of which"
+      f" this process drives {driven}; it has preallocated memory on the others, which the"
+      " other ranks on this node need. Call mnjax.create_communicator(...) first thing in"
+      " the script (before any jax.numpy call, jax.devices() or array creation), or launch"
+      " with one GPU per process (srun --gpus-per-task=1), or set"
+      " XLA_PYTHON_CLIENT_PREALLOCATE=false.",
+      RuntimeWarning, stacklevel=3)
+
+
+def agree(comm, fn, *args):
+  """``fn(*args)`` on every rank; if it raised on any rank, the same error on all of them
+  (naming the ranks), so that no rank goes on into a collective the others never reach."""
+  try:
+    result, message = fn(*args), None
+  except ValueError as error:
+    result, message = None, str(error)
+  messages = comm.allgather(message)
+  failed = [r for r, m in enumerate(messages) if m is not None]
+  if failed:
+    mine = message if message is not None else messages[failed[0]]
+    raise ValueError(f"{mine} [failed on ranks {failed} of {comm.size}]")
+  return result
+
+
+def choose_devices(kind: str, requested: int | None, share: bool, clone, node, *,
+                   started: bool, start_distributed) -> tuple:
+  """The local JAX devices this process drives (`plan_devices`); starts JAX, and for
+  ``xla`` jax.distributed (``start_distributed(local_device_ids)``), with only those GPUs
+  opened. Collective over `clone` (every rank) and `node` (this node's ranks); an error on
+  any rank is raised on all of them."""
+  import jax  # noqa: PLC0415
+
+  inventory = gpu_inventory()
+  gpus = (jax.local_devices()[0].platform == "gpu") if started else gpus_expected(inventory)
+  mixed = clone.allgather(gpus)
+  if len(set(mixed)) > 1:
+    raise ValueError(
+        "create_communicator: some ranks will run on GPUs and others on CPUs (ranks with"
+        f" GPUs: {[r for r, g in enumerate(mixed) if g]} of {clone.size}). Give every rank"
+        " a GPU, or set JAX_PLATFORMS=cpu on every rank."
+    )
+  if not gpus:
+    if kind == "xla":
+      start_distributed(None)
+    available = agree(clone, _cpu_devices)
+    layout = Layout("cpu", len(available), node.rank, node.size, shared=False)
+    indices = agree(clone, lambda: plan_devices(
+        kind, layout, requested=requested, share_devices=share))
+    return tuple(available[i] for i in indices)
+
+  everyone = node.allgather(inventory)
+  visible = len(jax.local_devices()) if started else len(inventory)
+  layout = Layout("gpu", visible, node.rank, node.size,
+                  shared=all(v == inventory for v in everyone))
+  ordinals = agree(clone, lambda: plan_devices(
+      kind, layout, requested=requested, share_devices=share))
+  mine = [inventory[o] if o < len(inventory) else f"ordinal-{o}" for o in ordinals]
+  driven = [bus for ids in node.allgather(mine) for bus in ids]
+  sharers = max(driven.count(bus) for bus in mine)
+  agree(clone, _check_not_shared, sharers, share, mine, node.size)
+  if started:
+    local = jax.local_devices()
+    if len(local) > len(ordinals):
+      warn_opened_others(len(ordinals), len(local))
+    return tuple(local[o] for o in ordinals)
+  if kind == "xla":
+    start_distributed(ordinals)
+  else:
+    restrict_visible(ordinals, sharers)
+  local = agree(clone, _gpu_devices, len(ordinals))
+  return tuple(local)
+
+
+def _check_not_shared(sharers: int, share: bool, mine: list, node_size: int) -> None:
+  if sharers > 1 and not share:
+    raise ValueError(
+        f"create_communicator: GPU {mine[0]} would be driven by {sharers} processes of this"
+        f" node ({node_size} processes). Give each process its own GPU (srun"
+        " --gpus-per-task=1, or at most one process per GPU under mpirun), or pass"
+        " share_devices=True to share GPUs deliberately."
+    )
+
+
+def _cpu_devices() -> list:
+  import jax  # noqa: PLC0415
+
+  try:
+    available = jax.local_devices()
+  except RuntimeError as error:  # e.g. JAX_PLATFORMS=cuda where no GPU is usable
+    raise ValueError(
+        f"create_communicator: JAX could not start its backend ({error}). If a GPU was"
+        " requested (JAX_PLATFORMS=cuda), check that this node has one and its driver"
+        " works (nvidia-smi), and that the CUDA extra is installed (MNJAX_EXTRAS=cuda"
+        " scripts/setup.sh); to run on the CPU, set JAX_PLATFORMS=cpu."
+    ) from None
+  if (available[0].platform == "cpu" and cuda_plugin_installed()
+      and os.environ.get("JAX_PLATFORMS", "").lower() != "cpu"):
+    raise ValueError(
+        "create_communicator: jaxlib's CUDA plugin is installed but JAX started on the CPU:"
+        " the CUDA driver found no usable GPU on this node (is nvidia-smi working, and did"
+        " the launcher give this task a GPU?). To run on the CPU deliberately, set"
+        " JAX_PLATFORMS=cpu."
+    )
+  return available
+
+
+def _gpu_devices(expected: int) -> list:
+  local = _cpu_devices()
+  if local[0].platform != "gpu" or len(local) != expected:
+    raise ValueError(
+        f"create_communicator: expected JAX to open {expected} GPU(s) on this process, but"
+        f" it opened {len(local)} {local[0].platform} device(s). Check the CUDA extra"
+        " (MNJAX_EXTRAS=cuda scripts/setup.sh) and the driver (nvidia-smi)."
+    )
+  return local

@@ -1,0 +1,91 @@
+"""In-step collectives are ordered by data on every platform: lowered for CPU and for CUDA
+(JAX lowers for ``cuda`` without a GPU), each MPI call depends on the previous one's result.
+
+The communicator is this process's with ``size`` raised to 2, so collectives are traced (a
+size-1 communicator traces none); nothing is executed.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mnjax
+from mnjax import collectives, mpi_ops
+from hlo_order import mpi_calls, unchained
+
+LEAVES = {f"w{i}": jnp.ones((64 + i,), jnp.float32) for i in range(6)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(comm):
+  return dataclasses.replace(comm, size=2)
+
+
+def lowered(fn, *args, platform):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+@pytest.mark.parametrize("wire_dtype", [None, jnp.bfloat16])
+def test_buckets_are_chained_by_data(two_ranks, platform, wire_dtype):
+  fn = lambda t: collectives.allreduce_tree(t, two_ranks, wire_dtype=wire_dtype, bucket_bytes=600)
+  text = lowered(fn, LEAVES, platform=platform)
+  calls = mpi_calls(text)
+  buckets = collectives.plan_buckets(list(LEAVES.values()), wire_dtype=wire_dtype and np.dtype(wire_dtype),
+                                     bucket_bytes=600)
+  assert len(buckets) >= 2
+  # A 16-bit wire is an alltoall and an allgather per bucket.
+  assert len(calls) == len(buckets) * (1 if wire_dtype is None else 2), calls
+  assert unchained(text) == []
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_the_checker_sees_independent_collectives(comm, platform):
+  """Mutation check of the test itself: two collectives without `after` are reported."""
+  fn = lambda a, b: (mpi_ops.allreduce_sum(a, comm.device_comm),
+                     mpi_ops.allreduce_sum(b, comm.device_comm))
+  text = lowered(fn, jnp.ones(4), jnp.ones(4), platform=platform)
+  assert len(mpi_calls(text)) == 2 and len(unchained(text)) == 1
+
+
+def test_gpu_lowering_threads_after_through_a_barrier(comm):
+  fn = lambda a, b: mpi_ops.allreduce_sum(b, comm.device_comm,
+                                          after=mpi_ops.allreduce_sum(a, comm.device_comm))
+  text = lowered(fn, jnp.ones(4), jnp.ones(4), platform="cuda")
+  assert text.count("stablehlo.optimization_barrier") == 2
+  assert [t for _, t in mpi_calls(text)] == ["mpi_allreduce_ffi"] * 2
+  assert unchained(text) == []
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_a_train_step_is_one_chain(two_ranks, platform):
+  """SyncBatchNorm's collectives and the gradient buckets of a whole step."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(16)(x)
+      x = mnjax.SyncBatchNorm(two_ranks, use_running_average=False)(x)
+      return nn.Dense(4)(nn.relu(x))
+
+  net = Net()
+  variables = net.init(jax.random.key(0), jnp.ones((8, 8)))
+  # What allreduce_gradients does after its pre-flight check (which needs real ranks:
+  # tests/distributed/test_placement.py compiles the full step under mpirun).
+  reduce = lambda g: collectives.allreduce_tree(g, two_ranks, bucket_bytes=256)
+
+  def step(params, stats, x):
+    def loss(p):
+      y, new = net.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
+      return jnp.mean(y ** 2), new
+    grads, _ = jax.grad(loss, has_aux=True)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, reduce(grads))
+
+  text = lowered(step, variables["params"], variables["batch_stats"], jnp.ones((8, 8)),
+                 platform=platform)
+  assert len(mpi_calls(text)) >= 4  # BN forward and backward, and the gradient buckets
+  assert unchained(text) == []
