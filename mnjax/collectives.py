@@ -33,21 +33,27 @@ __all__ = [
 
 
 # The default bucket cap per platform (``bucket_bytes="auto"``), see `default_bucket_bytes`.
-DEFAULT_BUCKET_BYTES: dict[str, int] = {"cpu": 4 << 20, "gpu": 4 << 20}
+DEFAULT_BUCKET_BYTES: dict[str, int] = {"cpu": 1 << 20, "gpu": 4 << 20}
 
 
 def default_bucket_bytes(comm: Communicator) -> int:
   """The bucket cap ``bucket_bytes="auto"`` gives on `comm`'s platform.
 
-  CPU (measured with ``python -m mnjax.bench allreduce``, ResNet-50's 161 leaves at 2 ranks,
-  docs/design/allreduce.md): PLACEHOLDER.
-  GPU (from the cost model until a GPU measures it): `mnjax.costmodel.step.best_bucket_bytes`
-  for ResNet-50 on 8 and 1024 H200s (NDR), ``flat`` and ``xla``, with mnjax's measured
-  per-call overhead, picks 4 MiB (tests/test_costmodel.py checks the two agree).
+  CPU, 1 MiB: fuse only small leaves, so that a large leaf travels alone and is reduced in
+  place in its own shape (`allreduce_tree`). Measured with ``python -m mnjax.bench
+  allreduce`` on ResNet-50's 161 leaves, 2 ranks (docs/design/allreduce.md): 64 kB, 256 kB
+  and 1 MiB caps all run at one call per leaf's speed, about 2x raw MPI on one fused
+  buffer; 4 MiB packs the mid-sized leaves and loses a third of that; 25 MB and one buffer
+  lose 5-8x. 1 MiB keeps small models (the digits CNN: 605 kB) in one buffer.
+  GPU, 4 MiB, from the cost model until a GPU measures it:
+  `mnjax.costmodel.step.best_bucket_bytes` for ResNet-50 on 8 and 1024 H200s (NDR),
+  ``flat`` and ``xla``, with an assumed 30 us per call (a stream synchronisation and host
+  staging in mpi4jax's CUDA handler), picks 4 MiB (tests/test_costmodel.py checks that they
+  agree); the margins are small (under 0.5% of a 12 ms step between 1 and 16 MiB).
 
   Example:
     >>> default_bucket_bytes(mnjax.create_communicator("flat"))   # on a CPU
-    4194304
+    1048576
   """
   platform = comm.devices[0].platform if comm.devices else "cpu"
   return DEFAULT_BUCKET_BYTES["cpu" if platform == "cpu" else "gpu"]
@@ -292,6 +298,14 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   half_pack = wire_dtype is not None and comm.kind in ("flat", "single_node", "xla")
   for bucket in plan_buckets(leaves, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes):
     members = [leaves[i] for i in bucket.positions]
+    if _in_place(members, bucket, wire_dtype, comm):
+      # A leaf alone in its bucket is reduced where it lies, in its own shape: raveling it
+      # first makes XLA:CPU copy it into a fresh buffer and back around the in-place call
+      # (ResNet-50 per leaf: 0.5x raw MPI raveled; see `default_bucket_bytes`).
+      (leaf,) = members
+      previous = _REDUCERS[comm.kind](leaf, comm, None, previous)
+      out[bucket.positions[0]] = previous / jnp.asarray(replicas, leaf.dtype) if mean else previous
+      continue
     if wire_dtype is None:
       buf = pack(members, bucket.dtype)
       post = (lambda x: x / jnp.asarray(replicas, x.dtype)) if mean else None
@@ -305,6 +319,12 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
     for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
       out[i] = leaf
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _in_place(members: list[Any], bucket: Bucket, wire_dtype, comm: Communicator) -> bool:
+  """Whether a bucket's single leaf can go to MPI as it is (no pack, no cast: ``flat``)."""
+  return (len(members) == 1 and wire_dtype is None and comm.kind == "flat"
+          and np.dtype(members[0].dtype) == bucket.dtype)
 
 
 def completion_token(leaves: list[Any]) -> jax.Array:

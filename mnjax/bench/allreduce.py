@@ -26,10 +26,12 @@ Bus bandwidth = 2 (p-1)/p x float32 bytes / time (NCCL's convention, so half-pre
 methods show their speed-up as bandwidth). Ratios are raw_mpi time / method time (> 1:
 faster than raw MPI).
 
-The second table reduces ResNet-50's 161 real parameter shapes (`launch.resnet50_shapes`):
-one mpi4jax call per leaf, one mnjax call per leaf (``bucket_bytes=1``), buckets of
-several sizes (4 MB is the default), one fused buffer (``bucket_bytes=None``), and bf16 on
-the wire with one buffer and with the default buckets.
+The second table reduces ResNet-50's 161 real parameter shapes (`launch.resnet50_shapes`)
+against raw MPI on one preallocated buffer (``raw_mpi_fused``; ``_in_place``: the same with
+``MPI.IN_PLACE``): one mpi4jax call per leaf, one mnjax call per leaf (``bucket_bytes=1``),
+the platform's default plan (``mnjax_default``, `collectives.default_bucket_bytes`),
+buckets of several sizes, one fused buffer (``bucket_bytes=None``), and bf16 on the wire
+with one buffer and with the default buckets.
 """
 
 from __future__ import annotations
@@ -160,13 +162,18 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
     comm.mpi_comm.Allreduce(send, recv)
     return x
 
+  def raw_in_place(x):
+    comm.mpi_comm.Allreduce(MPI.IN_PLACE, recv)
+    return x
+
   def per_leaf_mpi4jax(tree):
     return jax.tree.map(lambda g: mpi4jax.allreduce(g, op=MPI.SUM, comm=mpi), tree)
 
   def tree_fn(**kw):
     return jax.jit(lambda t: allreduce_tree(t, comm, mean=False, **kw), donate_argnums=0)
 
-  fns = {"raw_mpi_fused": raw, "mpi4jax_per_leaf": jax.jit(per_leaf_mpi4jax),
+  fns = {"raw_mpi_fused": raw, "raw_mpi_fused_in_place": raw_in_place,
+         "mpi4jax_per_leaf": jax.jit(per_leaf_mpi4jax),
          "mnjax_per_leaf": tree_fn(bucket_bytes=1)}
   fns["mnjax_default"] = tree_fn()
   fns.update({f"mnjax_bucket_{label}": tree_fn(bucket_bytes=n) for label, n in BUCKETS.items()})
