@@ -33,18 +33,17 @@ __all__ = [
 
 
 # The default bucket cap per platform (``bucket_bytes="auto"``), see `default_bucket_bytes`.
-DEFAULT_BUCKET_BYTES: dict[str, int] = {"cpu": 1 << 20, "gpu": 4 << 20}
+DEFAULT_BUCKET_BYTES: dict[str, int] = {"cpu": 256 << 10, "gpu": 4 << 20}
 
 
 def default_bucket_bytes(comm: Communicator) -> int:
   """The bucket cap ``bucket_bytes="auto"`` gives on `comm`'s platform.
 
-  CPU, 1 MiB: fuse only small leaves, so that a large leaf travels alone and is reduced in
-  place in its own shape (`allreduce_tree`). Measured with ``python -m mnjax.bench
-  allreduce`` on ResNet-50's 161 leaves, 2 ranks (docs/design/allreduce.md): 64 kB, 256 kB
-  and 1 MiB caps all run at one call per leaf's speed, about 2x raw MPI on one fused
-  buffer; 4 MiB packs the mid-sized leaves and loses a third of that; 25 MB and one buffer
-  lose 5-8x. 1 MiB keeps small models (the digits CNN: 605 kB) in one buffer.
+  CPU, 256 KiB: fuse only small leaves, so that every larger leaf travels alone and is
+  reduced in place in its own shape (`allreduce_tree`). ``python -m mnjax.bench allreduce``
+  on ResNet-50's 161 leaves, 2 ranks (docs/design/allreduce.md): 16.8 ms, 2.48x raw MPI on
+  one fused buffer and 0.79x raw MPI in place per leaf; 64 KiB and 1 MiB caps within 6%,
+  the old 4 MiB 1.6x slower, one buffer 9x.
   GPU, 4 MiB, from the cost model until a GPU measures it:
   `mnjax.costmodel.step.best_bucket_bytes` for ResNet-50 on 8 and 1024 H200s (NDR),
   ``flat`` and ``xla``, with an assumed 30 us per call (a stream synchronisation and host
@@ -53,7 +52,7 @@ def default_bucket_bytes(comm: Communicator) -> int:
 
   Example:
     >>> default_bucket_bytes(mnjax.create_communicator("flat"))   # on a CPU
-    1048576
+    262144
   """
   platform = comm.devices[0].platform if comm.devices else "cpu"
   return DEFAULT_BUCKET_BYTES["cpu" if platform == "cpu" else "gpu"]

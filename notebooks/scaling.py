@@ -161,12 +161,13 @@ display(Markdown("| ranks | measured comm. efficiency | model | weak scaling |\n
 # | recursive doubling | `log2(p) (α + n β)` | same |
 # | hierarchical | `k · ring_node(n) + allreduce_nodes(n)` (mnjax: k = 2 intra-node psums; ChainerMN: reduce + bcast, k ≈ 1) | ChainerMN (Akiba et al. 2017) |
 # | two-dimensional | `ring_node(n) + allreduce_nodes(n/g)`, the g shards sharing the node's NICs | ChainerMN; Mikami et al. 2018 (2D-torus) |
+# | double binary tree (NCCL >= 2.4) | `2(g-1) α_node + 2 ceil(log2 N) α_net + 2n / min(B_node, NICs · B_net)`, pipelined | Sanders, Speck & Träff 2009; NVIDIA's NCCL 2.4 blog |
 #
 # mnjax's kinds: `flat` is MPI_Allreduce over one process per GPU (MPICH: halving/doubling
 # for large messages; with ranks placed by node its network steps carry messages already
 # divided by the GPUs per node); `hierarchical` crosses the network from one GPU per node,
-# on one NIC; `two_dimensional` from every GPU, on every NIC; `xla` is NCCL's ring striped
-# over every NIC.
+# on one NIC; `two_dimensional` from every GPU, on every NIC; `xla` is NCCL, the faster of
+# its ring striped over every NIC and its double binary tree (NCCL's tuner picks per size).
 #
 # Step time: `compute + comm` without overlap; with overlap, buckets become ready evenly over
 # the backward pass and go out one after another; with double buffering, `max(compute, comm)`.
@@ -263,8 +264,9 @@ for preset in setups:
 #   `two_dimensional`'s.
 # * `hierarchical` loses most on both clusters: it runs two intra-node allreduces and crosses
 #   the network from one GPU per node, on one NIC (one of two on MN-1, one of eight on H200).
-# * NCCL's ring (`xla`) uses every NIC but pays `2 (p-1)` latencies: it leads at small scale
-#   and falls behind at 512-1024 GPUs, most on the H200 cluster where the step is only 12 ms.
+# * NCCL (`xla`) uses every NIC; its ring alone would pay `2 (p-1)` latencies and fall
+#   behind at 512-1024 GPUs, but its tree pays `2 log2(nodes)`, so `xla` stays the best kind
+#   at scale. The model leaves out NCCL's protocols and SM limits: an upper estimate.
 # * A bf16 wire halves the bandwidth term; overlap hides what the backward pass can cover.
 #   With a 12 ms step, what limits a 1024-H200 job is latency and the exposed allreduce, not
 #   the links' bandwidth.

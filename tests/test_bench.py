@@ -8,6 +8,7 @@ import sys
 from launch import REPO
 
 from mnjax.bench.allreduce import SWEEP
+from mnjax.bench.gpu import SECTIONS
 
 
 def run_bench(name, args, tmp_path):
@@ -35,7 +36,7 @@ def test_step_benchmark_smoke(tmp_path):
 def test_unknown_benchmark_is_a_clear_error():
   result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks, scaling}" in result.stderr
+  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks, scaling, gpu}" in result.stderr
 
 
 def test_kinds_benchmark_smoke(tmp_path):
@@ -53,7 +54,7 @@ def test_allreduce_benchmark_smoke(tmp_path):
   assert [row["bytes"] for row in sweep] == [4, 64, 1024]
   assert all(set(row["seconds"]) == set(SWEEP) for row in sweep)
   assert [row["bytes"] for row in data["psum"]["sweep"]] == [4, 64, 1024]
-  assert len(data["mpi"]["resnet50"]) == 9 and all(v > 0 for v in data["mpi"]["resnet50"].values())
+  assert len(data["mpi"]["resnet50"]) == 14 and all(v > 0 for v in data["mpi"]["resnet50"].values())
   assert "ResNet-50 gradient (161 leaves" in stdout
 
 
@@ -87,3 +88,27 @@ def test_scaling_benchmark_smoke(tmp_path):
   assert two["seconds_allreduce"] > 0 and two["seconds_no_communication"] > 0
   assert two["communication_efficiency"] == two["seconds_no_communication"] / two["seconds_allreduce"]
   assert "weak scaling" in stdout
+
+
+def test_gpu_check_smoke(tmp_path):
+  """The prepared GPU check, at smoke size on the CPU: every section, and its deterministic
+  checks pass (each kind's averaged gradient matches flat's and the float64 reference, and
+  every rank compiles the same MPI call sequence)."""
+  stdout, data = run_bench("gpu", ["--smoke"], tmp_path)
+  assert data["failures"] == []
+  for section in SECTIONS:
+    assert section in data and "error" not in data[section], section
+  assert [r["rank"] for r in data["environment"]["ranks"]] == [0, 1]
+  kinds = data["gradients"]["kinds"]
+  assert set(kinds) == {"flat", "hierarchical", "two_dimensional", "xla"}
+  for kind, check in kinds.items():
+    assert check["passed"] and check["identical_on_all_ranks"], (kind, check)
+    assert check["rel_vs_reference"] <= 1e-5 and check["rel_vs_flat"] <= 1e-5, (kind, check)
+  order = data["collective_order"]
+  assert set(order) == {"flat", "hierarchical", "two_dimensional"}
+  assert all(o["same_on_all_ranks"] and o["calls"] and o["unchained_pairs"] == 0
+             for o in order.values())
+  assert data["resnet_step"]["seconds_per_step"]["2_ranks"]["allreduce"] > 0
+  assert set(data["sync_bn_share"]["seconds_per_step"]) == {"sync_bn", "local_bn"}
+  assert [row["bytes"] for row in data["allreduce_sweep"]["sweep"]][-1] == 1 << 20
+  assert "gradients" in stdout and "sync BN share" in stdout

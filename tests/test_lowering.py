@@ -14,7 +14,7 @@ import pytest
 
 import mnjax
 from mnjax import collectives, mpi_ops
-from hlo_order import mpi_calls, unchained
+from mnjax.bench.hlo_order import mpi_calls, unchained, unchained_compiled
 
 LEAVES = {f"w{i}": jnp.ones((64 + i,), jnp.float32) for i in range(6)}
 
@@ -49,6 +49,16 @@ def test_the_checker_sees_independent_collectives(comm, platform):
                      mpi_ops.allreduce_sum(b, comm.device_comm))
   text = lowered(fn, jnp.ones(4), jnp.ones(4), platform=platform)
   assert len(mpi_calls(text)) == 2 and len(unchained(text)) == 1
+
+
+def test_the_compiled_checker_sees_independent_collectives_and_chained_ones(comm):
+  independent = lambda a, b: (mpi_ops.allreduce_sum(a, comm.device_comm),
+                              mpi_ops.allreduce_sum(b, comm.device_comm))
+  chained = lambda a, b: mpi_ops.allreduce_sum(
+      b, comm.device_comm, after=mpi_ops.allreduce_sum(a, comm.device_comm))
+  compiled = lambda f: jax.jit(f).lower(jnp.ones(4), jnp.ones(4)).compile().as_text()
+  assert len(unchained_compiled(compiled(independent))) == 1
+  assert unchained_compiled(compiled(chained)) == []
 
 
 def test_gpu_lowering_threads_after_through_a_barrier(comm):

@@ -1,4 +1,4 @@
-"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks,scaling} [--options]``; ``--help`` per benchmark."""
+"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks,scaling,gpu} [--options]``; ``--help`` per benchmark."""
 
 import sys
 
@@ -9,6 +9,7 @@ BENCHMARKS = {
     "resnet": "mnjax.bench.resnet",
     "checks": "mnjax.bench.checks",
     "scaling": "mnjax.bench.scaling",
+    "gpu": "mnjax.bench.gpu",
 }
 
 

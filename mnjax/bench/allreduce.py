@@ -28,7 +28,9 @@ faster than raw MPI).
 
 The second table reduces ResNet-50's 161 real parameter shapes (`launch.resnet50_shapes`)
 against raw MPI on one preallocated buffer (``raw_mpi_fused``; ``_in_place``: the same with
-``MPI.IN_PLACE``): one mpi4jax call per leaf, one mnjax call per leaf (``bucket_bytes=1``),
+``MPI.IN_PLACE``) and raw MPI in place on one preallocated buffer per leaf
+(``raw_mpi_per_leaf``: leaf-sized messages stay in the CPU caches, which one 102 MB
+message does not, so this is the fair limit for a per-leaf plan): one mpi4jax call per leaf, one mnjax call per leaf (``bucket_bytes=1``),
 the platform's default plan (``mnjax_default``, `collectives.default_bucket_bytes`),
 buckets of several sizes, one fused buffer (``bucket_bytes=None``), and bf16 on the wire
 with one buffer and with the default buckets.
@@ -166,6 +168,13 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
     comm.mpi_comm.Allreduce(MPI.IN_PLACE, recv)
     return x
 
+  leaf_bufs = [np.empty(math.prod(s), np.float32) for s in resnet50_shapes()]
+
+  def raw_per_leaf(x):  # in place, like mnjax's handler, on preallocated numpy buffers
+    for buf in leaf_bufs:
+      comm.mpi_comm.Allreduce(MPI.IN_PLACE, buf)
+    return x
+
   def per_leaf_mpi4jax(tree):
     return jax.tree.map(lambda g: mpi4jax.allreduce(g, op=MPI.SUM, comm=mpi), tree)
 
@@ -173,6 +182,7 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
     return jax.jit(lambda t: allreduce_tree(t, comm, mean=False, **kw), donate_argnums=0)
 
   fns = {"raw_mpi_fused": raw, "raw_mpi_fused_in_place": raw_in_place,
+         "raw_mpi_per_leaf": raw_per_leaf,
          "mpi4jax_per_leaf": jax.jit(per_leaf_mpi4jax),
          "mnjax_per_leaf": tree_fn(bucket_bytes=1)}
   fns["mnjax_default"] = tree_fn()

@@ -13,30 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import time
 from pathlib import Path
+
+from mnjax.bench import hlo_order
 
 GROUPS = {"mpi": ("flat", "hierarchical", "two_dimensional"), "xla": ("xla",)}
 #: Gradient buckets of the checked steps: the digits CNN's 605 kB gradient travels in
 #: several MPI calls, so their order (and the packing between them) is exercised.
 BUCKET_BYTES = 64 << 10
-# Compiled HLO: `name = f32[16384]{0} custom-call(...), custom_call_target="mnjax_mpi_..."`.
-_COMPILED_MPI_CALL = re.compile(r'=\s*(.*?)\s+custom-call\(.*custom_call_target="([^"]*mpi[^"]*)"')
-# Lowered StableHLO: `stablehlo.custom_call @mpi_allreduce_ffi(...)`.
-_LOWERED_MPI_CALL = re.compile(r"custom_call\s*@(\w*mpi\w*)")
-
-__all__ = ["GROUPS", "run", "mpi_calls"]
-
-
-def mpi_calls(compiled_text: str) -> list[str]:
-  """``"<target> <result type>"`` of each MPI custom call in compiled HLO text, in order.
-
-  Example:
-    >>> mpi_calls(jax.jit(step).lower(state, x, y).compile().as_text())
-    ['mnjax_mpi_allreduce f32[16384]{0}', 'mnjax_mpi_allreduce f32[131072]{0}']
-  """
-  return [f"{target} {shape}" for shape, target in _COMPILED_MPI_CALL.findall(compiled_text)]
+__all__ = ["GROUPS", "run"]
 
 
 def _loss(params, images, labels):
@@ -109,15 +95,18 @@ def _collective_order(comm, images, labels) -> dict:
   tx = optax.chain(mnjax.allreduce_gradients(comm, bucket_bytes=BUCKET_BYTES), optax.adam(1e-3))
   state = create_train_state(SmallCNN(), tx, images[:1], jax.random.key(0))
   step = jax.jit(make_train_step(comm))
-  calls = mpi_calls(step.lower(state, images, labels).compile().as_text())
+  compiled = step.lower(state, images, labels).compile().as_text()
+  calls = [target for _, target in hlo_order.mpi_calls(compiled)]
   everyone = comm.mpi_comm.allgather(calls)
-  result = {"calls": calls, "same_on_all_ranks": all(c == calls for c in everyone)}
+  result = {"calls": calls, "same_on_all_ranks": all(c == calls for c in everyone),
+            "unchained_pairs": len(hlo_order.unchained_compiled(compiled))}
   if comm.devices[0].platform != "cpu":
     result["cuda_lowered"] = "not needed: the compiled step above is this GPU's"
     return result
   try:
     text = step.trace(state, images, labels).lower(lowering_platforms=("cuda",)).as_text()
-    result["cuda_lowered"] = _LOWERED_MPI_CALL.findall(text)
+    result["cuda_lowered"] = [target for _, target in hlo_order.mpi_calls(text)]
+    result["cuda_unchained_pairs"] = len(hlo_order.unchained(text))
   except Exception as error:  # optional: JAX may refuse to lower for an absent platform
     result["cuda_lowered"] = f"error: {type(error).__name__}: {str(error)[:300]}"
   return result

@@ -7,7 +7,7 @@ import optax
 import mnjax
 from mnjax.classifier import create_train_state, make_train_step
 from mnjax.models import SmallCNN
-from hlo_order import mpi_calls, unchained
+from mnjax.bench.hlo_order import mpi_calls, unchained_compiled
 
 
 def test_flat_rank_drives_its_node_local_device_and_a_plain_jit_runs_there(comm):
@@ -28,5 +28,5 @@ def test_compiled_step_issues_one_chain_of_collectives_in_the_same_order_on_ever
   calls = [target for _, target in mpi_calls(text)]
   if comm.size > 1:
     assert len(calls) >= 2, calls  # the digits CNN's 605 kB in 64 kB buckets
-    assert unchained(text) == []
+    assert unchained_compiled(text) == []
   assert comm.mpi_comm.allgather(calls) == [calls] * comm.size
