@@ -246,7 +246,7 @@ def choose_devices(kind: str, requested: int | None, share: bool, clone, node, *
   mine = [inventory[o] if o < len(inventory) else f"ordinal-{o}" for o in ordinals]
   driven = [bus for ids in node.allgather(mine) for bus in ids]
   sharers = max(driven.count(bus) for bus in mine)
-  agree(clone, _check_not_shared, sharers, share, mine, node.size)
+  agree(clone, _check_not_shared, sharers, share and kind != "xla", mine, node.size)
   if started:
     local = jax.local_devices()
     if len(local) > len(ordinals):
@@ -266,7 +266,8 @@ def _check_not_shared(sharers: int, share: bool, mine: list, node_size: int) -> 
         f"create_communicator: GPU {mine[0]} would be driven by {sharers} processes of this"
         f" node ({node_size} processes). Give each process its own GPU (srun"
         " --gpus-per-task=1, or at most one process per GPU under mpirun), or pass"
-        " share_devices=True to share GPUs deliberately."
+        " share_devices=True to share GPUs deliberately (not with kind 'xla': NCCL refuses"
+        " two processes on one GPU)."
     )
 
 

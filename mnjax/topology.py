@@ -315,10 +315,21 @@ def create_communicator(
       kind, local_devices, share_devices, clone, node, started=_jax_started(),
       start_distributed=lambda ids: _start_jax_distributed(clone, distributed_timeout, ids))
   node.Free()
-  import jax  # noqa: PLC0415 (started by _choose_devices)
+  counts = clone.allgather(len(devices))
+  if len(set(counts)) > 1:
+    raise ValueError(
+        f"create_communicator({kind!r}): the processes drive different numbers of devices"
+        f" ({counts}, by rank); every process must drive the same number (the mapped step"
+        " and the collectives assume one layout). Launch the same number of processes on"
+        " every node with the same GPUs each, or pass local_devices=."
+    )
+  import jax  # noqa: PLC0415 (started by devices_lib.choose_devices)
 
   # A plain jax.jit in user code (no committed inputs) runs on the device this rank drives.
-  jax.config.update("jax_default_device", devices[0])
+  # The process's first communicator decides; a later one (or the user's own setting) does
+  # not move arrays and steps that already live there.
+  if jax.config.jax_default_device is None:
+    jax.config.update("jax_default_device", devices[0])
   if abort_on_error and clone.size > 1:
     failfast.install()
   return Communicator(

@@ -51,6 +51,20 @@ def test_the_checker_sees_independent_collectives(comm, platform):
   assert len(mpi_calls(text)) == 2 and len(unchained(text)) == 1
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_the_checker_follows_calls_into_branches(comm, platform):
+  """Collectives inside lax.cond branches (as the multi-device kinds issue them): two
+  independent ones are reported, chained ones are not."""
+  def in_branch(x, after=None):
+    return jax.lax.cond(x[0] > 0, lambda v: mpi_ops.allreduce_sum(v, comm.device_comm, after),
+                        lambda v: v, x)
+
+  independent = lambda a, b: (in_branch(a), in_branch(b))
+  chained = lambda a, b: in_branch(b, after=in_branch(a))
+  assert len(unchained(lowered(independent, jnp.ones(4), jnp.ones(4), platform=platform))) == 1
+  assert unchained(lowered(chained, jnp.ones(4), jnp.ones(4), platform=platform)) == []
+
+
 def test_the_compiled_checker_sees_independent_collectives_and_chained_ones(comm):
   independent = lambda a, b: (mpi_ops.allreduce_sum(a, comm.device_comm),
                               mpi_ops.allreduce_sum(b, comm.device_comm))

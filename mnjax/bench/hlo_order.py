@@ -46,10 +46,66 @@ def depends_on(deps: dict[str, set[str]], value: str, target: str) -> bool:
 
 
 def unchained(text: str) -> list[tuple[str, str]]:
-  """Consecutive MPI calls ``(earlier, later)`` where the later does not depend on the
-  earlier's result: pairs that a scheduler could swap. Empty: one order by data."""
-  calls, deps = mpi_calls(text), dependencies(text)
-  return [(a, b) for (a, _), (b, _) in zip(calls, calls[1:]) if not depends_on(deps, b, a)]
+  """Lowered StableHLO: consecutive MPI-issuing statements of one function where the later
+  does not depend on the earlier's result (pairs a scheduler could swap). Empty: one order
+  by data.
+
+  A statement is a top-level op of a function body with its nested regions (a
+  ``stablehlo.case`` whose branch holds the call, as the multi-device kinds lower), or a
+  call of a function that issues MPI; region-local names are scoped to their statement.
+  """
+  funcs = _functions(text)
+  issues = {name: any(_MPI.search(l) for l in lines) for name, lines in funcs.items()}
+  pairs = []
+  for lines in funcs.values():
+    statements = _statements(lines)
+    deps = {name: uses for name, uses, _ in statements}
+    units = [name for name, _, body in statements
+             if _MPI.search(body) or any(issues.get(f) for f in _CALLEE.findall(body))]
+    pairs += [(a, b) for a, b in zip(units, units[1:]) if not depends_on(deps, b, a)]
+  return pairs
+
+
+_FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([\w.\-]+)")
+_CALLEE = re.compile(r"call @([\w.\-]+)")
+
+
+def _functions(text: str) -> dict[str, list[str]]:
+  funcs, current, indent = {}, None, 0
+  for line in text.splitlines():
+    m = _FUNC.match(line)
+    if m:
+      current, indent = m.group(1), len(line) - len(line.lstrip())
+      funcs[current] = []
+    elif current is not None:
+      if line.strip() == "}" and len(line) - len(line.lstrip()) == indent:
+        current = None
+      else:
+        funcs[current].append(line)
+  return funcs
+
+
+def _statements(lines: list[str]) -> list[tuple[str, set[str], str]]:
+  """``(defined name, names it uses from outside, text)`` of each top-level statement."""
+  body = [l for l in lines if l.strip()]
+  if not body:
+    return []
+  top = min(len(l) - len(l.lstrip()) for l in body)
+  groups: list[list[str]] = []
+  for line in body:
+    starts = len(line) - len(line.lstrip()) == top and not line.lstrip().startswith("}")
+    if starts or not groups:
+      groups.append([line])
+    else:
+      groups[-1].append(line)
+  out = []
+  for group in groups:
+    d = _DEF.match(group[0])
+    inner = {m.group(1) for l in group[1:] if (m := _DEF.match(l))}
+    uses = {u.split("#")[0] for l in group for u in _USE.findall(l)} - inner
+    name = d.group(1) if d else f"<line {len(out)}>"
+    out.append((name, uses - {name}, "\n".join(group)))
+  return out
 
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
