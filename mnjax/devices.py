@@ -161,14 +161,24 @@ def gpu_inventory() -> tuple[str, ...]:
 
 
 def cuda_plugin_installed() -> bool:
-  """Whether jaxlib's CUDA plugin (the ``cuda`` extra) is installed."""
+  """Whether jaxlib's CUDA plugin (the ``cuda`` extra) is installed.
+
+  Example:
+    >>> cuda_plugin_installed()    # scripts/setup.sh without MNJAX_EXTRAS=cuda
+    False
+  """
   return any(importlib.util.find_spec(name) is not None
              for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
 
 
 def gpus_expected(inventory: Sequence[str]) -> bool:
   """Whether JAX will start on GPUs: some are visible, the plugin is installed and
-  ``JAX_PLATFORMS`` (if set) admits them."""
+  ``JAX_PLATFORMS`` (if set) admits them.
+
+  Example:
+    >>> gpus_expected(gpu_inventory())   # on a CPU machine
+    False
+  """
   platforms = os.environ.get("JAX_PLATFORMS", "").lower()
   allowed = not platforms or any(p in platforms for p in ("cuda", "gpu"))
   return bool(inventory) and cuda_plugin_installed() and allowed
@@ -176,7 +186,11 @@ def gpus_expected(inventory: Sequence[str]) -> bool:
 
 def restrict_visible(ordinals: Sequence[int], sharers: int) -> None:
   """Before JAX starts: open only these GPUs; with `sharers` processes on one GPU, split
-  the preallocated memory fraction between them (unless the user set it)."""
+  the preallocated memory fraction between them (unless the user set it).
+
+  Example:
+    >>> restrict_visible((3,), sharers=1)   # node-local rank 3: JAX opens GPU 3 only
+  """
   import jax  # noqa: PLC0415
 
   jax.config.update("jax_cuda_visible_devices", ",".join(str(o) for o in ordinals))
@@ -185,7 +199,11 @@ def restrict_visible(ordinals: Sequence[int], sharers: int) -> None:
 
 
 def warn_opened_others(driven: int, opened: int) -> None:
-  """JAX started before mnjax chose: it holds memory on GPUs this process does not drive."""
+  """JAX started before mnjax chose: it holds memory on GPUs this process does not drive.
+
+  Example:
+    >>> warn_opened_others(driven=1, opened=8)   # RuntimeWarning with the fix
+  """
   warnings.warn(
       f"mnjax: JAX started before create_communicator and opened {opened} GPUs, of which"
       f" this process drives {driven}; it has preallocated memory on the others, which the"
@@ -198,16 +216,22 @@ def warn_opened_others(driven: int, opened: int) -> None:
 
 def agree(comm, fn, *args):
   """``fn(*args)`` on every rank; if it raised on any rank, the same error on all of them
-  (naming the ranks), so that no rank goes on into a collective the others never reach."""
+  (naming the ranks), so that no rank goes on into a collective the others never reach.
+
+  Example:
+    >>> agree(comm.mpi_comm, plan_devices, "flat", layout)   # raises on every rank, or (i,)
+    (1,)
+  """
   try:
-    result, message = fn(*args), None
-  except ValueError as error:
-    result, message = None, str(error)
-  messages = comm.allgather(message)
-  failed = [r for r, m in enumerate(messages) if m is not None]
+    result, failure = fn(*args), None
+  except (ValueError, RuntimeError) as error:
+    result, failure = None, (type(error).__name__, str(error))
+  failures = comm.allgather(failure)
+  failed = [r for r, f in enumerate(failures) if f is not None]
   if failed:
-    mine = message if message is not None else messages[failed[0]]
-    raise ValueError(f"{mine} [failed on ranks {failed} of {comm.size}]")
+    kind, message = failure if failure is not None else failures[failed[0]]
+    raise (RuntimeError if kind == "RuntimeError" else ValueError)(
+        f"{message} [failed on ranks {failed} of {comm.size}]")
   return result
 
 
@@ -216,7 +240,13 @@ def choose_devices(kind: str, requested: int | None, share: bool, clone, node, *
   """The local JAX devices this process drives (`plan_devices`); starts JAX, and for
   ``xla`` jax.distributed (``start_distributed(local_device_ids)``), with only those GPUs
   opened. Collective over `clone` (every rank) and `node` (this node's ranks); an error on
-  any rank is raised on all of them."""
+  any rank is raised on all of them.
+
+  Example:
+    >>> choose_devices("flat", None, False, clone, node, started=False,
+    ...                start_distributed=lambda ids: None)   # node-local rank 1 of 8 GPUs
+    (CudaDevice(id=0),)                                       # JAX opened GPU 1 only
+  """
   import jax  # noqa: PLC0415
 
   inventory = gpu_inventory()
@@ -276,9 +306,11 @@ def _cpu_devices() -> list:
 
   try:
     available = jax.local_devices()
-  except RuntimeError as error:  # e.g. JAX_PLATFORMS=cuda where no GPU is usable
+  except Exception as error:  # e.g. JAX_PLATFORMS=cuda where no GPU is usable (jax 0.10.2:
+    # a RuntimeError with the plugin installed, a bare AssertionError without it)
     raise ValueError(
-        f"create_communicator: JAX could not start its backend ({error}). If a GPU was"
+        f"create_communicator: JAX could not start its backend ({type(error).__name__}:"
+        f" {error}; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}). If a GPU was"
         " requested (JAX_PLATFORMS=cuda), check that this node has one and its driver"
         " works (nvidia-smi), and that the CUDA extra is installed (MNJAX_EXTRAS=cuda"
         " scripts/setup.sh); to run on the CPU, set JAX_PLATFORMS=cpu."

@@ -17,6 +17,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from mnjax import cuda_mpi
 from mnjax import devices as devices_lib
 from mnjax import failfast
 
@@ -323,6 +324,10 @@ def create_communicator(
         " and the collectives assume one layout). Launch the same number of processes on"
         " every node with the same GPUs each, or pass local_devices=."
     )
+  if devices[0].platform == "gpu" and kind in ("flat", "hierarchical", "two_dimensional"):
+    # mpi4jax's CUDA handlers carry these kinds' in-step collectives: check them now, on
+    # every rank, rather than at the first step (`mnjax.cuda_mpi`).
+    devices_lib.agree(clone, cuda_mpi.configure)
   import jax  # noqa: PLC0415 (started by devices_lib.choose_devices)
 
   # A plain jax.jit in user code (no committed inputs) runs on the device this rank drives.
