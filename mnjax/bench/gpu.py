@@ -34,9 +34,11 @@ section records its error and the run goes on). Sections (keys of the JSON):
   precision, no TF32) with the result bitwise identical on every rank. Multi-device kinds
   drive 2 emulated devices per process on a CPU, one GPU per process here. ``xla`` runs one
   process per GPU (``processes``): NCCL refuses two ranks of one communicator on one GPU.
-* ``collective_order``: each MPI kind's custom calls (target and buffer) in one compiled
-  train step, in program order, and whether every rank has the same sequence (a mismatch
-  would deadlock); on a CPU also the targets of the step lowered for CUDA (optional).
+* ``collective_order``: each MPI kind's custom calls in one compiled train step, in
+  schedule order, whether every rank has the same sequence (a mismatch would deadlock or
+  sum unrelated buffers), and ``unchained_pairs``: consecutive calls the later of which does
+  not depend on the earlier (`mnjax.bench.hlo_order`; must be 0); on a CPU also the step
+  lowered for CUDA, with its own ``cuda_unchained_pairs``.
 * ``resnet_step``: `mnjax.bench.resnet`'s seconds per step (ResNet-50, 224 px, 32 images per
   rank; smoke: ResNet-18, 16 px, 2 images): ``plain`` flax + optax and ``mnjax``
   (SyncBatchNorm + allreduce_gradients) at 1 rank, then at ``--ranks``. ``overhead_size1`` =
