@@ -10,7 +10,7 @@ device (``jax_default_device``).
 
 The rules (`plan_devices`, a pure function, unit-tested for the usual GPU layouts):
 
-* A GPU is known by its PCI bus id, read from the CUDA driver without creating a context
+* A GPU is known by its UUID (MIG slices apart), read from the CUDA driver without creating a context
   (`gpu_inventory`). Processes on one node compare what they see: *shared* visibility (every
   process sees the same GPUs: plain ``mpirun``) or *private* (the launcher gave each its own,
   e.g. ``srun --gpus-per-task=1``, where every task sees its one GPU as ordinal 0).
@@ -131,9 +131,10 @@ def plan_devices(kind: str, layout: Layout, *, requested: int | None = None,
 
 
 def gpu_inventory() -> tuple[str, ...]:
-  """PCI bus ids of the NVIDIA GPUs this process can see, in CUDA ordinal order.
+  """Identities of the NVIDIA GPUs this process can see, in CUDA ordinal order: UUIDs
+  (MIG-aware), else PCI bus ids.
 
-  Read from the CUDA driver (``libcuda``: ``cuInit``, ``cuDeviceGetPCIBusId``), which
+  Read from the CUDA driver (``libcuda``: ``cuInit``, ``cuDeviceGetUuid_v2``), which
   applies ``CUDA_VISIBLE_DEVICES`` and the launcher's device binding but creates no context
   and reserves no memory, so it is safe before JAX starts. Empty without a driver or GPU.
 
@@ -150,13 +151,17 @@ def gpu_inventory() -> tuple[str, ...]:
     return ()
   ids = []
   for ordinal in range(count.value):
-    device, name = ctypes.c_int(0), ctypes.create_string_buffer(64)
+    device, uuid = ctypes.c_int(0), ctypes.create_string_buffer(16)
+    name = ctypes.create_string_buffer(64)
     if cuda.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
       return tuple(ids)
-    if cuda.cuDeviceGetPCIBusId(name, 64, device) != 0:
-      ids.append(f"ordinal-{ordinal}")
-    else:
+    # The UUID tells MIG slices of one GPU apart (they share its PCI bus id).
+    if hasattr(cuda, "cuDeviceGetUuid_v2") and cuda.cuDeviceGetUuid_v2(uuid, device) == 0:
+      ids.append("GPU-" + uuid.raw.hex())
+    elif cuda.cuDeviceGetPCIBusId(name, 64, device) == 0:
       ids.append(name.value.decode().lower())
+    else:
+      ids.append(f"ordinal-{ordinal}")
   return tuple(ids)
 
 
@@ -194,7 +199,7 @@ def restrict_visible(ordinals: Sequence[int], sharers: int) -> None:
   import jax  # noqa: PLC0415
 
   jax.config.update("jax_cuda_visible_devices", ",".join(str(o) for o in ordinals))
-  if sharers > 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+  if sharers > 1 and not {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"} & set(os.environ):
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.75 / sharers:.3f}"
 
 
@@ -224,8 +229,8 @@ def agree(comm, fn, *args):
   """
   try:
     result, failure = fn(*args), None
-  except (ValueError, RuntimeError) as error:
-    result, failure = None, (type(error).__name__, str(error))
+  except Exception as error:  # any failure on one rank must reach every rank
+    result, failure = None, (type(error).__name__, f"{error}")
   failures = comm.allgather(failure)
   failed = [r for r, f in enumerate(failures) if f is not None]
   if failed:
@@ -267,9 +272,11 @@ def choose_devices(kind: str, requested: int | None, share: bool, clone, node, *
         kind, layout, requested=requested, share_devices=share))
     return tuple(available[i] for i in indices)
 
+  if started:  # what JAX opened (the user may have restricted it), by driver identity
+    inventory = tuple(inventory[d.local_hardware_id] if d.local_hardware_id < len(inventory)
+                      else f"ordinal-{d.local_hardware_id}" for d in jax.local_devices())
   everyone = node.allgather(inventory)
-  visible = len(jax.local_devices()) if started else len(inventory)
-  layout = Layout("gpu", visible, node.rank, node.size,
+  layout = Layout("gpu", len(inventory), node.rank, node.size,
                   shared=all(v == inventory for v in everyone))
   ordinals = agree(clone, lambda: plan_devices(
       kind, layout, requested=requested, share_devices=share))
@@ -278,6 +285,8 @@ def choose_devices(kind: str, requested: int | None, share: bool, clone, node, *
   sharers = max(driven.count(bus) for bus in mine)
   agree(clone, _check_not_shared, sharers, share and kind != "xla", mine, node.size)
   if started:
+    if kind == "xla":
+      start_distributed(ordinals)  # raises on every rank: too late for jax.distributed
     local = jax.local_devices()
     if len(local) > len(ordinals):
       warn_opened_others(len(ordinals), len(local))

@@ -16,8 +16,8 @@ effect used to guarantee is guaranteed instead by construction:
 * within one computation, each collective takes an ``after`` operand: the previous
   collective's result (`mnjax.collectives` threads it). On CPU this is a data dependency
   the handler ignores but XLA must respect (its runtime otherwise runs independent
-  collectives concurrently, in any order); on GPU the operand passes through an
-  ``optimization_barrier`` with it, so XLA:GPU's scheduler (which may differ per rank:
+  collectives concurrently, in any order); on GPU the operand's first element is
+  recomputed from it (`_tie`), so XLA:GPU's scheduler (which may differ per rank:
   autotuning runs per process) cannot reorder them either;
 * across computations, one device executes its programs in dispatch order, and every rank
   dispatches the same steps in the same order (SPMD);
@@ -127,19 +127,37 @@ def _cpu(target, attrs, aliases=None):
   return rule
 
 
+def _tie(x, after):
+  """`x` unchanged bit for bit, but computed from `after`: its first element times
+  ``1 + 0 * s``, with ``s`` a finite scalar read from `after`. XLA does not fold ``s * 0``
+  for floats (NaN semantics); the select keeps a NaN or Inf in `after` from reaching `x`,
+  and multiplying by exactly 1 keeps NaN, Inf and the sign of zero. (An
+  ``optimization_barrier`` is not enough: XLA's simplifier drops a barrier operand whose
+  output nobody reads when its producer has one user, e.g. `completion_token`'s sum or a
+  cond branch's parameter.)"""
+  if x.size == 0 or after.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  s = jnp.ravel(after)[0].astype(jnp.float32)
+  one = 1.0 + jnp.where(jnp.isfinite(s), s, 0.0) * 0.0  # exactly 1, computed from `after`
+  flat = jnp.ravel(x)
+  return flat.at[0].multiply(one.astype(x.dtype)).reshape(x.shape)  # x[0] * 1: bit for bit
+
+
 def _gpu(target, attrs):
   """Lowering to mpi4jax's handler, which takes and returns a token.
 
-  `after` becomes a data dependency here too: the operand passes through an
-  ``optimization_barrier`` together with `after`, so the MPI call cannot start before the
-  previous collective's result exists, whatever schedule XLA:GPU picks on each rank
-  (tokens minted per call order nothing). Checked on the lowered and compiled HLO for
-  ``cuda`` by tests/test_lowering.py.
+  `after` becomes a data dependency here too (`_tie`: the operand's first element is
+  recomputed from it), so the MPI call cannot start before the previous collective's result
+  exists, whatever schedule XLA:GPU picks on each rank (tokens minted per call order
+  nothing, and mpi4jax's handler takes no extra operand). Checked on the HLO lowered for
+  ``cuda`` by tests/test_lowering.py; mnjax's payloads are floats (integer ones would
+  travel untied).
   """
   def rule(ctx, x, after, **params):
     if _gpu_backend():
       cuda_mpi.configure()  # mpi4jax's CUDA extension and an explicit copy mode, or why not
-    x = stablehlo.OptimizationBarrierOp([x, after]).results[0]
+    tie_ctx = ctx.replace(avals_out=(ctx.avals_in[0],))
+    x, = mlir.lower_fun(_tie, multiple_results=False)(tie_ctx, x, after)
     token = stablehlo.after_all([])
     sub = ctx.replace(avals_in=(ctx.avals_in[0], abstract_token),
                       avals_out=(*ctx.avals_out, abstract_token))

@@ -312,8 +312,16 @@ def create_communicator(
   inter_size = clone.allreduce(leader)
   before = clone.exscan(leader)
   inter_rank = node.bcast(before or 0, root=0)
+  started = clone.allgather(_jax_started())
+  if len(set(started)) > 1:
+    raise ValueError(
+        "create_communicator: JAX was already started (a jax.numpy call, jax.devices(), an"
+        f" array) on ranks {[r for r, x in enumerate(started) if x]} but not on the others,"
+        " so they would choose devices differently. Call create_communicator first thing in"
+        " the script, on every rank."
+    )
   devices = devices_lib.choose_devices(
-      kind, local_devices, share_devices, clone, node, started=_jax_started(),
+      kind, local_devices, share_devices, clone, node, started=started[0],
       start_distributed=lambda ids: _start_jax_distributed(clone, distributed_timeout, ids))
   node.Free()
   counts = clone.allgather(len(devices))

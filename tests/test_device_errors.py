@@ -63,3 +63,17 @@ def test_auto_picks_flat_without_gpus():
   if devices.gpu_inventory():
     pytest.skip("this machine has GPUs (the xla case is python -m mnjax.bench gpu's)")
   assert resolve_kind("auto") == "flat"
+
+
+def test_jax_started_on_some_ranks_only():
+  code = """
+      from mpi4py import MPI
+      import jax
+      if MPI.COMM_WORLD.rank == 0:
+        jax.devices()
+      import mnjax
+      mnjax.create_communicator("flat")
+  """
+  result = run(2, code)
+  assert result.returncode != 0
+  assert result.stdout.count("JAX was already started") >= 2, result.stdout[-3000:]

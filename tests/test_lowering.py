@@ -6,6 +6,7 @@ size-1 communicator traces none); nothing is executed.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -75,13 +76,27 @@ def test_the_compiled_checker_sees_independent_collectives_and_chained_ones(comm
   assert unchained_compiled(compiled(chained)) == []
 
 
-def test_gpu_lowering_threads_after_through_a_barrier(comm):
+def test_gpu_lowering_ties_the_operand_to_after(comm):
   fn = lambda a, b: mpi_ops.allreduce_sum(b, comm.device_comm,
                                           after=mpi_ops.allreduce_sum(a, comm.device_comm))
   text = lowered(fn, jnp.ones(4), jnp.ones(4), platform="cuda")
-  assert text.count("stablehlo.optimization_barrier") == 2
   assert [t for _, t in mpi_calls(text)] == ["mpi_allreduce_ffi"] * 2
   assert unchained(text) == []
+
+
+def test_the_tie_survives_compilation_and_changes_no_value():
+  """XLA's simplifier keeps ``s * 0`` for floats, so the compiled tie still reads `after`
+  (an optimization_barrier's unread operand would be dropped); values, NaN in `after` and
+  the sign of zero are untouched."""
+  text = jax.jit(mpi_ops._tie).lower(jnp.ones(4), jnp.ones(3)).compile().as_text()
+  entry = text[text.index("ENTRY"):]
+  after = re.search(r"%([\w.]+) = f32\[3\]\{0\} parameter\(1\)", entry).group(1)
+  assert re.search(rf"ROOT .*\(.*%{re.escape(after)}\b", entry), entry
+  x = jnp.array([-0.0, 1.5, -2.0, np.inf])
+  for a in (jnp.array([np.nan]), jnp.array([-np.inf]), jnp.array([-3.0]), jnp.zeros((), jnp.uint8)):
+    out = np.asarray(mpi_ops._tie(x, a))
+    np.testing.assert_array_equal(out, np.asarray(x))
+    assert np.signbit(out[0])
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
