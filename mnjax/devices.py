@@ -250,7 +250,7 @@ def choose_devices(kind: str, requested: int | None, share: bool, clone, node, *
   Example:
     >>> choose_devices("flat", None, False, clone, node, started=False,
     ...                start_distributed=lambda ids: None)   # node-local rank 1 of 8 GPUs
-    (CudaDevice(id=0),)                                       # JAX opened GPU 1 only
+    (CudaDevice(id=1),)                                       # JAX opened GPU 1 only
   """
   import jax  # noqa: PLC0415
 
