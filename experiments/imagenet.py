@@ -55,8 +55,12 @@ import numpy as np
 import optax
 
 import mnjax
-from mnjax import augment, bn_classifier, models, recipes, sources
-from mnjax.loader import Loader
+from mnjax import models
+from mnjax.data import augment
+from mnjax.train import _bn_classifier as bn_classifier
+from mnjax.optim import recipes
+from mnjax.data import _sources as sources
+from mnjax.data import Loader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +184,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   norm = functools.partial(mnjax.SyncBatchNorm, comm) if config.sync_bn else nn.BatchNorm
   model = MODELS[config.model](num_classes=train_source.num_classes, stem=config.stem, norm=norm,
                                bn_momentum=config.bn_momentum)
-  bucket = mnjax.collectives.bucket_bytes_from_mb(config.bucket_mb)
+  bucket = mnjax.comm.bucket_bytes_from_mb(config.bucket_mb)
   # After the allreduce every rank holds the same gradient, so all skip a NaN step together.
   tx = optax.chain(
       mnjax.allreduce_gradients(comm, wire_dtype=config.wire_dtype, bucket_bytes=bucket),
@@ -196,8 +200,8 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   state, sums, first_epoch, first_batch = checkpoints.start(state, ZERO_SUMS)
   step = int(state.step)
 
-  mnjax.workdir.write_config(config.workdir, config, comm)
-  log = mnjax.workdir.MetricsLog(config.workdir, comm)
+  mnjax.train.write_config(config.workdir, config, comm)
+  log = mnjax.train.MetricsLog(config.workdir, comm)
   baseline = baseline_rate(config.baseline_workdir)
   if comm.is_root:
     print(f"mnjax: {config.model} on {config.dataset} ({len(train_source)} train examples),"

@@ -35,7 +35,7 @@ import optax
 from tqdm import tqdm
 
 import mnjax
-from mnjax.classifier import create_train_state, evaluate, make_train_step
+from mnjax.train._classifier import create_train_state, evaluate, make_train_step
 from mnjax.models import SmallCNN
 
 
@@ -85,12 +85,12 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
   """Trains for ``config.epochs`` (or the rest of them, with ``resume``); returns the last
   epoch's record."""
   mnjax.local_batch_size(config.global_batch_size, comm)  # fail fast, on every rank
-  train = mnjax.datasets.load(config.dataset, "train")
-  test = mnjax.datasets.load(config.dataset, "test")
+  train = mnjax.data.load(config.dataset, "train")
+  test = mnjax.data.load(config.dataset, "test")
 
   allreduce = mnjax.allreduce_gradients(
       comm, wire_dtype=config.wire_dtype,
-      bucket_bytes=mnjax.collectives.bucket_bytes_from_mb(config.bucket_mb))
+      bucket_bytes=mnjax.comm.bucket_bytes_from_mb(config.bucket_mb))
   # After the allreduce every rank holds the same gradient, so all skip a NaN step together.
   tx = optax.chain(allreduce, mnjax.skip_nonfinite(optax.adam(config.learning_rate)))
   model = SmallCNN(num_classes=train.num_classes)
@@ -103,8 +103,8 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
   state, sums, first_epoch, first_batch = checkpoints.start(state, ZERO_SUMS)
   step = int(state.step)
 
-  mnjax.workdir.write_config(config.workdir, config, comm)
-  log = mnjax.workdir.MetricsLog(config.workdir, comm)
+  mnjax.train.write_config(config.workdir, config, comm)
+  log = mnjax.train.MetricsLog(config.workdir, comm)
   if comm.is_root:
     print(f"mnjax: {comm.summary}{' (--comm auto)' if config.comm == 'auto' else ''},"
           f" global batch {config.global_batch_size}, {len(train)} train /"
@@ -171,7 +171,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator) -> dict:
     test_metrics = evaluate(state, test.images, test.labels, comm, config.global_batch_size)
     record = {"epoch": first_epoch - 1, "test_accuracy": test_metrics["correct"],
               "test_count": test_metrics["count"], "steps": step}
-  mnjax.workdir.save_params(config.workdir, state.params, comm)
+  mnjax.train.save_params(config.workdir, state.params, comm)
   return record
 
 

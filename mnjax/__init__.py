@@ -3,73 +3,70 @@
 Gradient allreduce is an optax transformation; MPI (through mpi4jax) moves the gradients::
 
     import mnjax, optax
-    comm = mnjax.create_communicator("flat")        # one MPI process per device
+    comm = mnjax.create_communicator()              # one MPI process per device
     params = mnjax.broadcast(params, comm, root=0)  # identical start on every rank
     tx = optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3))
 
 Run the script with ``mpirun -n 4 python train.py`` (or ``srun``), or without a launcher
 for a size-1 communicator.
+
+The layers, each a subpackage whose ``__init__`` is its API (imports flow downwards only):
+
+* `mnjax.comm` — communicators, in-step and host collectives, the 16-bit wire, abort;
+* `mnjax.guard` — pre-flight checks, replica consensus, the watchdog;
+* `mnjax.optim` — the optax transformations and `mnjax.recipes`;
+* `mnjax.nn` — `SyncBatchNorm`;
+* `mnjax.data` — sharding, dataset sources, the loader, augmentations;
+* `mnjax.checkpoint` — verified, resumable checkpoints;
+* `mnjax.train` — `data_parallel`, exact metrics, the reference classifier and loop;
+* `mnjax.models`, `mnjax.costmodel`, `mnjax.bench` — models, the scaling model, benchmarks.
+
+The names below are the ones most scripts need.
 """
 
-from mnjax import (
-    accumulation, batch_norm, checkpoint, collectives, consensus, data, datasets, failfast,
-    loop_checkpoints, metrics, native, nonfinite, preflight, recipes, topology, watchdog, wire,
-    workdir)
-from mnjax.accumulation import accumulate_gradients
-from mnjax.batch_norm import SyncBatchNorm, allreduce_persistent
-from mnjax.checkpoint import Checkpointer, CorruptCheckpointError
-from mnjax.consensus import check_replicas
+from mnjax import checkpoint, comm, costmodel, data, guard, models, nn, optim, train
+from mnjax.checkpoint import Checkpointer, CorruptCheckpointError, LoopCheckpoints
+from mnjax.comm import KINDS, Communicator, broadcast, create_communicator
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
-from mnjax.host_broadcast import broadcast
-from mnjax.loop_checkpoints import LoopCheckpoints
-from mnjax.metrics import allreduce_metrics, global_mean
-from mnjax.nonfinite import raise_if_diverging, skip_nonfinite
-from mnjax.parallel import data_parallel
-from mnjax.topology import KINDS, Communicator, create_communicator
-from mnjax.transforms import allreduce_gradients
-from mnjax.watchdog import Watchdog
+from mnjax.guard import Watchdog, check_replicas
+from mnjax.nn import SyncBatchNorm, allreduce_persistent
+from mnjax.optim import (
+    accumulate_gradients, allreduce_gradients, raise_if_diverging, recipes, skip_nonfinite)
+from mnjax.train import allreduce_metrics, data_parallel, global_mean
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KINDS",
     "Checkpointer",
     "Communicator",
     "CorruptCheckpointError",
-    "SyncBatchNorm",
-    "KINDS",
     "LoopCheckpoints",
+    "SyncBatchNorm",
+    "Watchdog",
     "accumulate_gradients",
-    "accumulation",
-    "allreduce_persistent",
     "allreduce_gradients",
     "allreduce_metrics",
-    "batch_norm",
+    "allreduce_persistent",
     "broadcast",
     "check_replicas",
     "checkpoint",
-    "consensus",
-    "collectives",
+    "comm",
+    "costmodel",
     "create_communicator",
-    "data_parallel",
     "data",
-    "datasets",
+    "data_parallel",
     "epoch_batches",
-    "failfast",
     "global_mean",
+    "guard",
     "local_batch_size",
-    "loop_checkpoints",
-    "metrics",
-    "native",
-    "nonfinite",
-    "preflight",
+    "models",
+    "nn",
+    "optim",
     "raise_if_diverging",
     "recipes",
     "scatter_dataset",
     "scatter_index",
     "skip_nonfinite",
-    "topology",
-    "watchdog",
-    "Watchdog",
-    "wire",
-    "workdir",
+    "train",
 ]

@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 import mnjax
-from mnjax.classifier import create_train_state, make_train_step
+from mnjax.train._classifier import create_train_state, make_train_step
 from mnjax.models import SmallCNN
 
 REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
@@ -65,8 +65,8 @@ comm = mnjax.create_communicator("flat")
 print(f"rank {comm.rank} of {comm.size}")
 tx = optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3))
 
-train = mnjax.datasets.load("digits", "train")
-test = mnjax.datasets.load("digits", "test")
+train = mnjax.data.load("digits", "train")
+test = mnjax.data.load("digits", "test")
 state = create_train_state(SmallCNN(num_classes=train.num_classes), tx, train.images[:1],
                            jax.random.key(0))
 state = mnjax.broadcast(state, comm, root=0)

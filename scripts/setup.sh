@@ -132,9 +132,9 @@ spec="$repo[test"
 spec="$spec]"
 "${pip[@]}" install -e "$spec"
 
-# mnjax's MPI handlers for XLA:CPU (mnjax/native): compiled with the same MPI compiler
+# mnjax's MPI handlers for XLA:CPU (mnjax/comm/_native): compiled with the same MPI compiler
 # wrapper; rebuilt automatically on first use whenever the source is newer.
-PATH="$venv/bin:$PATH" "$venv/bin/python" -m mnjax.native >/dev/null
+PATH="$venv/bin:$PATH" "$venv/bin/python" -m mnjax.comm._native >/dev/null
 "$venv/bin/python" -c "import mnjax, mpi4jax" >/dev/null
 if [ "$want_cuda" = 1 ]; then
   if ! mpi4jax_cuda; then

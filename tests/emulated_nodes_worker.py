@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mnjax
-from mnjax import collectives
+from mnjax.comm import _collectives as collectives
 
 
 def averaged(comm):

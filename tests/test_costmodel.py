@@ -325,7 +325,7 @@ def test_the_gpu_default_bucket_is_the_models_choice(kind, gpus):
   """mnjax's GPU default (`collectives.DEFAULT_BUCKET_BYTES["gpu"]`) is what the model picks
   for ResNet-50 on H200s, with an assumed 30 us per call (mpi4jax's CUDA handler
   synchronises the stream and stages through the host; unmeasured: no GPU here)."""
-  from mnjax.collectives import DEFAULT_BUCKET_BYTES
+  from mnjax.comm import DEFAULT_BUCKET_BYTES
 
   w = step.RESNET50.replace(compute=0.012)
   best = step.best_bucket_bytes(w, hw.cluster("h200_ndr", gpus=gpus), kind,

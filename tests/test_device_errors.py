@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from launch import run_mpi
-from mnjax import devices
+from mnjax.comm import _devices as devices
 
 CREATE = "import mnjax; mnjax.create_communicator({kind!r})"
 
@@ -58,7 +58,7 @@ def test_gpus_are_expected_only_with_the_plugin_and_a_visible_gpu(monkeypatch):
 
 
 def test_auto_picks_flat_without_gpus():
-  from mnjax.topology import resolve_kind
+  from mnjax.comm._communicator import resolve_kind
 
   if devices.gpu_inventory():
     pytest.skip("this machine has GPUs (the xla case is python -m mnjax.bench gpu's)")

@@ -1,10 +1,10 @@
-"""Device selection for the usual GPU layouts (pure logic: `mnjax.devices.plan_devices`) and
-mpi4jax's CUDA set-up (`mnjax.cuda_mpi`), which this machine can check without a GPU."""
+"""Device selection for the usual GPU layouts (pure logic: `mnjax.comm._devices.plan_devices`) and
+mpi4jax's CUDA set-up (`mnjax.comm._cuda_mpi`), which this machine can check without a GPU."""
 
 import pytest
 
-from mnjax import cuda_mpi
-from mnjax.devices import Layout, plan_devices
+from mnjax.comm import _cuda_mpi as cuda_mpi
+from mnjax.comm._devices import Layout, plan_devices
 
 MULTI = ["hierarchical", "two_dimensional", "xla"]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from launch import run_mpi
-from mnjax.watchdog import _JobView
+from mnjax.guard._watchdog import _JobView
 
 KEEP_RUNNING = ("-disable-auto-cleanup",)
 

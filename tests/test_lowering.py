@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import mnjax
-from mnjax import collectives, mpi_ops
+from mnjax.comm import _collectives as collectives
+from mnjax.comm import _primitives as mpi_ops
 from mnjax.bench.hlo_order import mpi_calls, unchained, unchained_compiled
 
 LEAVES = {f"w{i}": jnp.ones((64 + i,), jnp.float32) for i in range(6)}

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from mnjax import recipes
+from mnjax.optim import recipes
 from mnjax.models import ResNet18
 
 

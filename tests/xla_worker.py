@@ -14,12 +14,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from mnjax import collectives  # noqa: E402
-from mnjax.classifier import create_train_state, make_train_step  # noqa: E402
+from mnjax.comm import _collectives as collectives  # noqa: E402
+from mnjax.train._classifier import create_train_state, make_train_step  # noqa: E402
 from mnjax.models import SmallCNN  # noqa: E402
 
 PER_DEVICE = 4
-data = mnjax.datasets.load_digits("train")
+data = mnjax.data.load_digits("train")
 model = SmallCNN()
 assert comm.num_replicas == jax.device_count() == comm.size * jax.local_device_count()
 

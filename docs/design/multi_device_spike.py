@@ -8,7 +8,7 @@ Not package code: a measurement kept so the numbers in multi_device.md can be re
 
 Kinds: ``none`` (pmean over local devices only: the no-MPI baseline), ``a_io_callback``
 (hangs under shard_map: do not select it), ``b_split`` (three jits per step; hangs unless
-SYNC=1), ``c_hierarchical`` / ``c_two_dimensional`` (mnjax.mpi_ops inside shard_map).
+SYNC=1), ``c_hierarchical`` / ``c_two_dimensional`` (mnjax.comm._primitives inside shard_map).
 """
 import os
 import time, statistics, json, sys
@@ -17,9 +17,9 @@ from jax.sharding import Mesh, PartitionSpec as P, NamedSharding
 from jax.experimental import io_callback
 from mpi4py import MPI
 import mnjax
-from mnjax.mpi_ops import allreduce_sum
+from mnjax.comm._primitives import allreduce_sum
 from mnjax.models import SmallCNN
-from mnjax import collectives
+from mnjax.comm import _collectives as collectives
 
 world = MPI.COMM_WORLD
 ndev = jax.local_device_count()
@@ -27,7 +27,7 @@ comms = [world.Clone() for _ in range(ndev)]
 host_comm = world.Clone()
 mesh = Mesh(np.array(jax.local_devices()), ("local",))
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 32
-data = mnjax.datasets.load_digits("train")
+data = mnjax.data.load_digits("train")
 x = jnp.asarray(data.images[: B * ndev]); y = jnp.asarray(data.labels[: B * ndev])
 model = SmallCNN()
 params = model.init(jax.random.key(0), x[:1])["params"]

@@ -109,8 +109,8 @@ def _sweep_fns(n: int, comm) -> tuple[dict, dict]:
   import numpy as np
   from mpi4py import MPI
 
-  from mnjax import mpi_ops
-  from mnjax.collectives import allreduce_tree
+  from mnjax.comm import _primitives as mpi_ops
+  from mnjax.comm._collectives import allreduce_tree
 
   mpi, host = comm.device_comm, comm.mpi_comm
   send, recv = np.ones(n, np.float32), np.empty(n, np.float32)
@@ -154,7 +154,7 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
   from mpi4py import MPI
 
   from mnjax.bench.launch import resnet50_shapes
-  from mnjax.collectives import allreduce_tree
+  from mnjax.comm._collectives import allreduce_tree
 
   mpi = comm.device_comm
   total = sum(math.prod(s) for s in resnet50_shapes())

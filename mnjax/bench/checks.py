@@ -36,7 +36,7 @@ from mpi4py import MPI
 import mnjax
 from mnjax.bench.launch import relaunch
 from mnjax.bench.rounds import time_rounds
-from mnjax.classifier import create_train_state, train_step
+from mnjax.train._classifier import create_train_state, train_step
 from mnjax.models import SmallCNN
 
 STEPS_PER_DIGITS_EPOCH = 22  # 1,438 training images / 64 per step, as experiments/train.py
@@ -57,7 +57,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def measure(args) -> dict:
   comm = mnjax.create_communicator("flat")
-  data = mnjax.datasets.load_digits("train")
+  data = mnjax.data.load_digits("train")
   images = jnp.asarray(data.images[: args.batch_per_rank])
   labels = jnp.asarray(data.labels[: args.batch_per_rank])
   allreduce = mnjax.allreduce_gradients(comm)

@@ -127,7 +127,7 @@ class _Clock:
 
 def _layout(ranks: int) -> dict:
   """Where the ranks run, read without starting JAX (this process must hold no GPU)."""
-  from mnjax import devices
+  from mnjax.comm import _devices as devices
 
   inventory = devices.gpu_inventory()
   gpus = len(inventory) if devices.gpus_expected(inventory) else 0

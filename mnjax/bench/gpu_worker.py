@@ -89,7 +89,7 @@ def _collective_order(comm, images, labels) -> dict:
   import optax
 
   import mnjax
-  from mnjax.classifier import create_train_state, make_train_step
+  from mnjax.train._classifier import create_train_state, make_train_step
   from mnjax.models import SmallCNN
 
   tx = optax.chain(mnjax.allreduce_gradients(comm, bucket_bytes=BUCKET_BYTES), optax.adam(1e-3))
@@ -143,7 +143,7 @@ def run(group: str, global_batch: int, scratch: str) -> dict | None:
     if kind not in comms:
       comms[kind] = mnjax.create_communicator(kind, share_devices=True)
   first = comms[GROUPS[group][0]]
-  data = mnjax.datasets.load_digits("train")
+  data = mnjax.data.load_digits("train")
   if global_batch % first.num_replicas or global_batch > len(data):
     raise ValueError(f"mnjax.bench gpu: global batch {global_batch} must be at most"
                      f" {len(data)} and split over {first.num_replicas} replicas.")

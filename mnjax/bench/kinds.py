@@ -7,7 +7,7 @@ Re-launches itself twice under ``mpirun --bind-to core -n RANKS`` with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=DEVICES`` (once for the MPI kinds, once
 for ``xla``: see GROUPS). For each kind it measures, in alternating rounds:
 
-* the gradient reduction alone (`mnjax.collectives.allreduce_tree` inside
+* the gradient reduction alone (`mnjax.comm.allreduce_tree` inside
   `mnjax.data_parallel`), in microseconds, for the digits CNN's gradient tree (151k float32)
   and for a ResNet-50-sized gradient (25.6M float32, 102 MB);
 * the digits CNN train step, as efficiency = step time with no cross-process traffic
@@ -57,10 +57,10 @@ def _worker(args) -> dict | None:
   import jax
   import optax
   from mpi4py import MPI
-  from mnjax.classifier import create_train_state, make_train_step
+  from mnjax.train._classifier import create_train_state, make_train_step
   from mnjax.models import SmallCNN
 
-  data = mnjax.datasets.load_digits("train")
+  data = mnjax.data.load_digits("train")
   comms = {"xla": xla} if args.worker == "xla" else {k: mnjax.create_communicator(k) for k in kinds}
   # The baseline: the same mapped step, gradients averaged over local devices only.
   some = comms[kinds[0]]
@@ -88,7 +88,7 @@ def _worker(args) -> dict | None:
   resnet50 = {"grads": jax.numpy.ones((25_600_000,), jax.numpy.float32)}
   for name, kc in variants.items():
     reducers[name] = mnjax.data_parallel(
-        lambda g, kc=kc: mnjax.collectives.allreduce_tree(g, kc), kc, batch_argnums=())
+        lambda g, kc=kc: mnjax.comm.allreduce_tree(g, kc), kc, batch_argnums=())
     tx = optax.chain(mnjax.allreduce_gradients(kc), optax.adam(1e-3))
     states[name] = create_train_state(SmallCNN(), tx, images[:1], jax.random.key(0))
     step = make_train_step(kc)

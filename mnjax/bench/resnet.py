@@ -35,7 +35,8 @@ import optax
 from mpi4py import MPI
 
 import mnjax
-from mnjax import bn_classifier, models
+from mnjax import models
+from mnjax.train import _bn_classifier as bn_classifier
 from mnjax.bench.launch import relaunch
 from mnjax.bench.rounds import time_rounds
 

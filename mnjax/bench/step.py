@@ -37,7 +37,7 @@ from mpi4py import MPI
 import mnjax
 from mnjax.bench.launch import relaunch
 from mnjax.bench.rounds import time_rounds
-from mnjax.classifier import create_train_state, train_step
+from mnjax.train._classifier import create_train_state, train_step
 from mnjax.models import SmallCNN
 
 
@@ -55,7 +55,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _time_variants(variants: dict, comm: mnjax.Communicator, args) -> dict[str, float]:
   """Median over rounds of the slowest rank's seconds per step, per variant."""
-  data = mnjax.datasets.load_digits("train")
+  data = mnjax.data.load_digits("train")
   images = jnp.asarray(data.images[: args.batch_per_rank])
   labels = jnp.asarray(data.labels[: args.batch_per_rank])
   states = {}
@@ -92,7 +92,7 @@ def naive_mpi4jax_allreduce(comm: mnjax.Communicator) -> optax.GradientTransform
     leaves, treedef = jax.tree.flatten(updates)
     flat = jnp.concatenate([leaf.ravel() for leaf in leaves])
     flat = mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm.device_comm) / comm.size
-    return treedef.unflatten(mnjax.collectives.unpack(flat, leaves)), state
+    return treedef.unflatten(mnjax.comm._collectives.unpack(flat, leaves)), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 

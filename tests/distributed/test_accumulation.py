@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import mnjax
-from mnjax import native
+from mnjax.comm import _native as native
 
 K, PER_RANK, DIM = 3, 4, 5
 

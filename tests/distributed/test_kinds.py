@@ -10,11 +10,11 @@ import pytest
 from mpi4py import MPI
 
 import mnjax
-from mnjax import collectives
-from mnjax.classifier import create_train_state, make_train_step
+from mnjax.comm import _collectives as collectives
+from mnjax.train._classifier import create_train_state, make_train_step
 from mnjax.models import SmallCNN
 
-DIGITS = mnjax.datasets.load_digits("train")
+DIGITS = mnjax.data.load_digits("train")
 PER_DEVICE = 4
 MODEL = SmallCNN()
 
@@ -51,7 +51,7 @@ def test_kind_averages_gradients_like_flat_over_the_same_global_batch(comm, kind
   # What `flat` computes with one process per replica: the mean-loss gradient of the
   # global batch (each replica's mean loss averaged over equal-size replicas).
   expected = jax.jit(jax.grad(loss))(params, images, labels)
-  # bfloat16 on the wire: two roundings of 2^-8 each (mnjax.wire's bound), in norm.
+  # bfloat16 on the wire: two roundings of 2^-8 each (mnjax.comm._wire's bound), in norm.
   assert relative_difference(got, expected) <= (1e-5 if wire_dtype is None else 2**-7)
   # Every local device holds the same result.
   for leaf in jax.tree.leaves(got):

@@ -9,8 +9,9 @@ import pytest
 import tensorflow_datasets as tfds
 
 import mnjax
-from mnjax import augment, sources
-from mnjax.loader import Loader
+from mnjax.data import augment
+from mnjax.data import _sources as sources
+from mnjax.data import Loader
 
 N = 37  # not a multiple of any rank count or batch size
 

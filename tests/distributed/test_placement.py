@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 
 import mnjax
-from mnjax.classifier import create_train_state, make_train_step
+from mnjax.train._classifier import create_train_state, make_train_step
 from mnjax.models import SmallCNN
 from mnjax.bench.hlo_order import mpi_calls, unchained_compiled
 

@@ -14,7 +14,8 @@ import optax
 import pytest
 
 import mnjax
-from mnjax import native, preflight
+from mnjax.comm import _native as native
+from mnjax.guard import _preflight as preflight
 
 REFERENCE = {"dense": {"kernel": ((4, 6), jnp.float32), "bias": ((6,), jnp.float32)}}
 

@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 
 import mnjax
-from mnjax import collectives
+from mnjax.comm import _collectives as collectives
 
 PER_REPLICA = 3
 BRANCHES = 6

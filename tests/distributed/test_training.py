@@ -8,11 +8,11 @@ import numpy as np
 import optax
 
 import mnjax
-from mnjax.classifier import create_train_state, eval_step, evaluate, train_step
+from mnjax.train._classifier import create_train_state, eval_step, evaluate, train_step
 from mnjax.models import SmallCNN
 
-DIGITS_TRAIN = mnjax.datasets.load_digits("train")
-DIGITS_TEST = mnjax.datasets.load_digits("test")
+DIGITS_TRAIN = mnjax.data.load_digits("train")
+DIGITS_TEST = mnjax.data.load_digits("test")
 LOCAL_BATCH = 4
 
 

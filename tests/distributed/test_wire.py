@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import mnjax
-from mnjax import collectives, wire
+from mnjax.comm import _collectives as collectives
+from mnjax.comm import _wire as wire
 
 WIRES = [jnp.bfloat16, jnp.float16]
 

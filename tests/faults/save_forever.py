@@ -22,7 +22,7 @@ from mpi4py import MPI
 from orbax.checkpoint._src.path import async_path
 
 import mnjax
-from mnjax import checkpoint
+from mnjax.checkpoint import _checkpointer as checkpoint
 
 SHAPE = (3, 1 << 24)  # 3 x 64 MiB of float32: a save takes a good fraction of a second
 _current = {"step": 0}

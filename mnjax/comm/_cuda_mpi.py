@@ -1,0 +1,106 @@
+"""mpi4jax on GPUs: its CUDA extension, and an explicit choice of how buffers reach MPI.
+
+mpi4jax's CUDA handlers either hand device pointers to MPI (``MPI4JAX_USE_CUDA_MPI=1``:
+needs a CUDA-aware MPI) or copy each buffer to host memory and back around the MPI call
+(``=0``: works with every MPI, including the ``mpich`` wheel, which is not CUDA-aware). Left
+unset, mpi4jax warns and then picks copy-to-host — but it marks itself configured *before*
+warning, so under warnings-as-errors (pytest's ``-W error``) the warning raises first, the
+mode is never set, and device pointers reach an MPI that cannot read them: a segfault. With
+a CPU-only build of mpi4jax there are no CUDA handlers at all.
+
+So mnjax sets the mode itself, once, from the environment, and refuses to run the MPI kinds
+on GPUs without an explicit choice (`configure`): `mnjax.create_communicator` calls it on
+every rank for ``flat``, ``hierarchical`` and ``two_dimensional`` on GPUs, and the GPU
+lowering of `mnjax.comm._primitives` calls it too. ``scripts/activate.sh`` sets ``=0`` for the
+``mpich`` wheel. The ``xla`` kind (NCCL) does not use mpi4jax inside steps and needs none
+of this.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+__all__ = ["ENV", "configure", "mpi_reports_cuda"]
+
+#: mpi4jax's switch: "1" device pointers to a CUDA-aware MPI, "0" copy through host memory.
+ENV = "MPI4JAX_USE_CUDA_MPI"
+_TRUE, _FALSE = ("1", "true", "on"), ("0", "false", "off")
+_configured: bool | None = None
+
+
+def configure(environ=os.environ) -> bool:
+  """Checks mpi4jax's CUDA extension and sets its copy mode; returns True for CUDA-aware MPI.
+
+  Raises `RuntimeError` with the fix when the extension did not load, when
+  ``MPI4JAX_USE_CUDA_MPI`` is unset or not a boolean, or when it is ``1`` and the MPI
+  library says it is not CUDA-aware. Idempotent.
+
+  Example:
+    >>> os.environ["MPI4JAX_USE_CUDA_MPI"] = "0"   # the mpich wheel: copy through the host
+    >>> configure()
+    False
+  """
+  global _configured
+  if _configured is not None:
+    return _configured
+  from mpi4jax._src import decorators  # noqa: PLC0415 (mpi4jax keeps this private)
+  from mpi4jax._src import xla_bridge  # noqa: PLC0415
+
+  if not xla_bridge.HAS_CUDA_EXT:
+    raise RuntimeError(
+        "mnjax: mpi4jax's CUDA extension is not installed or did not load, so the MPI"
+        " communicator kinds cannot run on GPUs. Rebuild it: MNJAX_EXTRAS=cuda"
+        " scripts/setup.sh (it rebuilds mpi4jax against the CUDA toolkit it finds; set"
+        " CUDA_ROOT to the toolkit folder whose include/ holds cuda_runtime.h). Or use"
+        " kind 'xla' (NCCL), the fast path on GPUs."
+    )
+  value = environ.get(ENV, "").strip().lower()
+  if value not in _TRUE + _FALSE:
+    raise RuntimeError(
+        f"mnjax: set {ENV} before running the MPI kinds on GPUs (got {value!r}): 0 copies"
+        " every buffer through host memory around the MPI call (works with every MPI,"
+        " including the mpich wheel scripts/setup.sh installs; scripts/activate.sh sets"
+        " it), 1 hands device pointers to MPI (only with a CUDA-aware MPI, e.g. a cluster's"
+        " Open MPI built with CUDA). Or use kind 'xla' (NCCL), the fast path on GPUs."
+    )
+  cuda_aware = value in _TRUE
+  if cuda_aware and mpi_reports_cuda() is False:
+    raise RuntimeError(
+        f"mnjax: {ENV}=1 asks mpi4jax to hand device pointers to MPI, but this MPI library"
+        " reports no CUDA support (it would segfault on the first collective). Set"
+        f" {ENV}=0 (copy through host memory), or build against a CUDA-aware MPI"
+        " (MNJAX_MPI=system scripts/setup.sh with the cluster's CUDA-aware MPI on PATH)."
+    )
+  decorators._cuda_mpi_setup_done = True  # mnjax decided; mpi4jax's own setup must not warn
+  xla_bridge.mpi_xla_bridge_cuda.set_copy_to_host(not cuda_aware)
+  _configured = cuda_aware
+  return cuda_aware
+
+
+def mpi_reports_cuda() -> bool | None:
+  """Whether the loaded MPI library says it is CUDA-aware; None when it cannot tell.
+
+  Asks MPICH's ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)`` or Open MPI's
+  ``MPIX_Query_cuda_support()``, in the libmpi this process has loaded (through mpi4py).
+
+  Example:
+    >>> mpi_reports_cuda()     # the mpich wheel
+    False
+  """
+  from mpi4py import MPI  # noqa: F401,PLC0415 (loads libmpi)
+
+  with open("/proc/self/maps") as maps:
+    paths = sorted({line.split()[-1] for line in maps if "/libmpi" in line and ".so" in line})
+  for path in paths:
+    try:
+      lib = ctypes.CDLL(path)
+    except OSError:
+      continue
+    if hasattr(lib, "MPIX_GPU_query_support"):
+      supported = ctypes.c_int(0)
+      if lib.MPIX_GPU_query_support(0, ctypes.byref(supported)) == 0:  # 0: CUDA
+        return bool(supported.value)
+    if hasattr(lib, "MPIX_Query_cuda_support"):
+      return bool(lib.MPIX_Query_cuda_support())
+  return None

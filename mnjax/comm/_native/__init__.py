@@ -1,0 +1,133 @@
+"""mnjax's compiled piece: MPI collectives as XLA FFI handlers for CPU (`mpi_collectives.cc`).
+
+Why it exists (measured in ``python -m mnjax.bench allreduce``):
+
+* mpi4jax's allreduce handler works out of place, into a result buffer XLA allocates fresh
+  on every call: every call pays first-touch page faults on the whole result and an MPI copy
+  of the input. mnjax's reduces with ``MPI_IN_PLACE`` in the operand's memory, which XLA
+  aliases to the result.
+* XLA:CPU runs independent operations concurrently and in any order. Two collectives with
+  no data dependency between them can start in different orders on different ranks and
+  cross-match (seen: "Message truncated" aborts with one allreduce per ResNet-50 leaf).
+  ``optimization_barrier`` does not survive compilation, and mpi4jax's handlers order only
+  through tokens. mnjax's handlers take an extra ``after`` operand, the previous
+  collective's result: a data dependency XLA must honour.
+
+It is compiled with the MPI C++ compiler wrapper (``$MPICXX``, else ``mpicxx`` next to the
+Python executable or on ``PATH``) against jaxlib's FFI headers, by ``scripts/setup.sh``,
+by ``python -m mnjax.comm._native``, or automatically on first use when missing or older than its
+source.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["LIBRARY", "SOURCE", "TARGETS", "allreduce_calls", "build", "collective_counts",
+           "handlers", "is_stale"]
+
+SOURCE = Path(__file__).with_name("mpi_collectives.cc")
+LIBRARY = Path(__file__).with_name("_mpi_collectives.so")
+TARGETS = ("mnjax_mpi_allreduce", "mnjax_mpi_alltoall", "mnjax_mpi_allgather")
+
+
+def _compiler() -> str:
+  candidates = [os.environ.get("MPICXX"), str(Path(sys.executable).with_name("mpicxx")),
+                shutil.which("mpicxx"), shutil.which("mpic++")]
+  for c in candidates:
+    if c and Path(c).is_file() and os.access(c, os.X_OK):
+      return c
+  raise FileNotFoundError(
+      "mnjax.comm._native: no MPI C++ compiler found (looked at $MPICXX, mpicxx next to"
+      f" {sys.executable}, mpicxx/mpic++ on PATH). Install the `mpich` extra or put your"
+      " MPI's mpicxx on PATH (or set MPICXX=/path/to/mpicxx), then run"
+      " `python -m mnjax.comm._native`."
+  )
+
+
+def is_stale() -> bool:
+  """True when the library is missing or older than its source.
+
+  Example:
+    >>> mnjax.comm._native.is_stale()
+    False
+  """
+  return not LIBRARY.exists() or LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime
+
+
+def build(force: bool = False) -> Path:
+  """Compiles the handler into `LIBRARY` (skipped when up to date unless `force`).
+
+  Example:
+    >>> mnjax.comm._native.build()
+    PosixPath('.../mnjax/native/_mpi_collectives.so')
+  """
+  if not force and not is_stale():
+    return LIBRARY
+  from jax import ffi
+
+  tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
+  cmd = [_compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{ffi.include_dir()}",
+         str(SOURCE), "-o", str(tmp)]
+  out = subprocess.run(cmd, capture_output=True, text=True)
+  if out.returncode != 0:
+    tmp.unlink(missing_ok=True)
+    raise RuntimeError(f"mnjax.comm._native: `{' '.join(cmd)}` failed:\n{out.stderr[-4000:]}")
+  tmp.replace(LIBRARY)  # atomic: a concurrent loader never sees half a library
+  return LIBRARY
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+  build()  # no-op when up to date
+  # MPI symbols resolve against the libmpi that mpi4py already loaded (the same file).
+  return ctypes.CDLL(str(LIBRARY))
+
+
+def allreduce_calls() -> int:
+  """How many allreduces this process's mnjax handlers have completed.
+
+  A cheap runtime count for proving that a step issued no collective.
+
+  Example:
+    >>> before = mnjax.comm._native.allreduce_calls(); step(...); mnjax.comm._native.allreduce_calls() - before
+    1
+  """
+  fn = _library().mnjax_allreduce_calls
+  fn.restype = ctypes.c_int64
+  return int(fn())
+
+
+def collective_counts() -> tuple[int, int]:
+  """``(entered, completed)``: in-step collectives this process's handlers have started and
+  finished. More entered than completed means a collective is waiting for its peers
+  (`mnjax.Watchdog` compares these across ranks to name the ranks that never came).
+
+  Example:
+    >>> mnjax.comm._native.collective_counts()
+    (42, 42)
+  """
+  lib = _library()
+  entered, completed = lib.mnjax_collectives_entered, lib.mnjax_collectives_completed
+  entered.restype = completed.restype = ctypes.c_int64
+  completed_first = int(completed())  # read completed first: never more completed than entered
+  return int(entered()), completed_first
+
+
+def handlers() -> dict:
+  """FFI handler capsules by target name (`TARGETS`), building the library if needed.
+
+  Example:
+    >>> for name, capsule in mnjax.comm._native.handlers().items():
+    ...   jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  """
+  from jax import ffi
+
+  lib = _library()
+  return {name: ffi.pycapsule(getattr(lib, name)) for name in TARGETS}

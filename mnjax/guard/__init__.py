@@ -1,0 +1,24 @@
+"""Guards: turn a would-be hang or a silent wrong result into a clear error on every rank.
+
+* `check_same_on_all_ranks`: the pre-flight check — one small allgather, under a timeout,
+  before a collective whose operands must agree (tree structure, shapes, dtypes).
+* `check_replicas` / `fingerprints`: are the replicas still bitwise identical?
+* `Watchdog`: a background thread that names a stalled rank and aborts the job.
+
+Example::
+
+    mnjax.guard.check_replicas(state.params, comm)
+"""
+
+from mnjax.guard._consensus import check_replicas, fingerprints
+from mnjax.guard._preflight import DEFAULT_TIMEOUT, check_same_on_all_ranks, tree_signature
+from mnjax.guard._watchdog import Watchdog
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Watchdog",
+    "check_replicas",
+    "check_same_on_all_ranks",
+    "fingerprints",
+    "tree_signature",
+]

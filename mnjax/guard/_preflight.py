@@ -1,0 +1,147 @@
+"""Pre-flight: every rank checks that all ranks are about to exchange the same thing.
+
+MPI only sees bytes. Two ranks that reduce a ``(64, 10)`` and a ``(10, 64)`` leaf, or the
+same buffers in a different leaf order, exchange the same byte count and get garbage without
+an error; a rank with one extra leaf waits forever in a collective nobody else issued. So
+before the first exchange, every rank hashes a *signature* — the tree structure, each leaf's
+path, shape and dtype, and the options that decide the wire layout (communicator kind,
+``mean``, ``wire_dtype``, bucket size) — and the ranks compare the hashes with one small
+host allgather (Horovod's coordinator check, done once instead of every step).
+
+`allreduce_gradients` runs the check when its update is *traced*: a jitted step pays for it
+once, at its first call, and a user's own step that only composes the transformation into
+an optax chain is protected too. A mismatch raises the same `ValueError` on every rank,
+naming the leaf, the ranks and their shapes and dtypes, before any collective is issued.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from mnjax.comm._communicator import Communicator
+
+__all__ = ["DEFAULT_TIMEOUT", "check_same_on_all_ranks", "tree_signature"]
+
+#: Seconds a rank waits for the others to reach the same check before giving up. Ranks
+#: reach it at their first trace of the step; the slowest start-up sets the pace.
+DEFAULT_TIMEOUT = 600.0
+
+_DIGEST = 16
+
+
+def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+  """``(leaf path, shape, dtype)`` for every leaf of `tree`, in flattening order.
+
+  Works on concrete arrays and on tracers (shape and dtype are static).
+
+  Example:
+    >>> tree_signature({"w": jnp.zeros((2, 3))})
+    (("['w']", (2, 3), 'float32'),)
+  """
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return tuple(
+      (jax.tree_util.keystr(path) or "<root>", tuple(np.shape(leaf)),
+       str(getattr(leaf, "dtype", type(leaf).__name__)))
+      for path, leaf in flat
+  )
+
+
+def check_same_on_all_ranks(comm: Communicator, what: str, signature: Any, *,
+                            caller: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+  """Raises on every rank unless every rank passed an equal `signature`.
+
+  Collective over ``comm.mpi_comm`` (host level: safe while a step is in flight, which uses
+  the other communicators). One allgather of a 16-byte hash; only on a mismatch are the
+  full signatures gathered to write the message.
+
+  Args:
+    comm: the `Communicator`.
+    what: what is compared, for the message (e.g. ``"the gradient tree"``).
+    signature: ``{"options": {...}, "tree": tree_signature(...)}`` or any picklable value
+      whose ``repr`` is deterministic.
+    caller: the public function on whose behalf the check runs.
+    timeout: seconds to wait for the other ranks; then a `TimeoutError` names the check.
+
+  Example:
+    >>> check_same_on_all_ranks(comm, "the gradient tree", {"tree": tree_signature(g)},
+    ...                         caller="allreduce_gradients")
+  """
+  if comm.size == 1:
+    return
+  mine = np.frombuffer(hashlib.blake2b(repr(signature).encode(), digest_size=_DIGEST).digest(),
+                       np.uint8)
+  everyone = np.empty((comm.size, _DIGEST), np.uint8)
+  request = comm.mpi_comm.Iallgather(mine, everyone)
+  deadline = time.monotonic() + timeout
+  while not request.Test():
+    if time.monotonic() > deadline:
+      raise TimeoutError(
+          f"{caller}: rank {comm.rank} waited {timeout:.0f} s for the other ranks to check"
+          f" {what} before the first exchange, and not all of them came. Every rank must"
+          " trace the step (call it with the same shapes, in the same order); a step"
+          " traced on some ranks only (e.g. jax.eval_shape on rank 0) cannot exchange"
+          " anything. Raise the timeout if start-up is slower than this.")
+    time.sleep(1e-3)
+  if (everyone == everyone[0]).all():
+    return
+  signatures = comm.mpi_comm.allgather(signature)
+  raise ValueError(describe_mismatch(signatures, what, caller))
+
+
+def describe_mismatch(signatures: list[Any], what: str, caller: str) -> str:
+  """The message for ranks whose signature differs from rank 0's (same text on every rank)."""
+  ref = signatures[0]
+  details = []
+  for rank, sig in enumerate(signatures[1:], start=1):
+    if sig == ref:
+      continue
+    details.extend(f"rank {rank} vs rank 0: {d}" for d in _differences(sig, ref))
+  return (
+      f"{caller}: the ranks disagree on {what}, so their exchange would mix unrelated"
+      f" values (MPI sums equal byte counts without checking). {'; '.join(details)}."
+      " Build the model, the loss and the optimizer identically on every rank, and feed"
+      " every rank batches of the same shape; nothing was exchanged."
+  )
+
+
+def _differences(sig: Any, ref: Any) -> list[str]:
+  if not (isinstance(sig, dict) and isinstance(ref, dict)):
+    return [f"{sig!r} != {ref!r}"]
+  out = []
+  for key in sorted(set(sig) | set(ref)):
+    a, b = sig.get(key), ref.get(key)
+    if a == b:
+      continue
+    if isinstance(a, tuple) and isinstance(b, tuple) and key.endswith("tree"):
+      out.extend(_tree_differences(a, b))
+    else:
+      out.append(f"{key} is {a!r} vs {b!r}")
+  return out
+
+
+def _tree_differences(tree: tuple, ref: tuple) -> list[str]:
+  """Leaf by leaf, by path: different shape or dtype, missing or extra leaves, order."""
+  mine = {path: (shape, dtype) for path, shape, dtype in tree}
+  theirs = {path: (shape, dtype) for path, shape, dtype in ref}
+  out = []
+  for path, (shape, dtype) in mine.items():
+    if path not in theirs:
+      out.append(f"leaf {path} {dtype}{list(shape)} exists only on this rank")
+      continue
+    rshape, rdtype = theirs[path]
+    if (shape, dtype) != (rshape, rdtype):
+      same_size = int(np.prod(shape)) == int(np.prod(rshape)) and shape != rshape
+      out.append(
+          f"leaf {path} is {dtype}{list(shape)} vs {rdtype}{list(rshape)}"
+          + (" (same element count: MPI would have summed them silently)" if same_size
+             else ""))
+  out.extend(f"leaf {path} {rdtype}{list(rshape)} is missing"
+             for path, (rshape, rdtype) in theirs.items() if path not in mine)
+  if not out:
+    out.append("the same leaves in a different order")
+  return out

@@ -1,0 +1,14 @@
+"""Flax layers that need the communicator.
+
+* `SyncBatchNorm`: a drop-in for `flax.linen.BatchNorm` whose statistics are those of the
+  global batch, over every device of every rank.
+* `allreduce_persistent`: averages batch statistics (or any persistent values) over ranks.
+
+Example::
+
+    norm = partial(mnjax.nn.SyncBatchNorm, comm=comm, use_running_average=not train)
+"""
+
+from mnjax.nn._batch_norm import SyncBatchNorm, allreduce_persistent
+
+__all__ = ["SyncBatchNorm", "allreduce_persistent"]

@@ -1,0 +1,273 @@
+"""Batch normalization over the global batch: `SyncBatchNorm` (ChainerMN's
+``MultiNodeBatchNormalization``) and `allreduce_persistent` (ChainerMN's
+``AllreducePersistent``).
+
+With plain data parallelism every replica normalises with the statistics of its own few
+examples (32 per GPU in the ChainerMN and Goyal et al. runs), so the model that trains is
+not the one a single process would train on the global batch. `SyncBatchNorm` sums each
+layer's per-feature ``[sum(x), sum(x^2), count]`` over every device of every rank, so the
+forward pass, the running statistics and the gradients equal flax's ``nn.BatchNorm`` on
+the concatenated global batch (the tests check this to 1e-5).
+
+How the collectives stay correct:
+
+* **Gradients.** The global sum is a `jax.custom_vjp` whose backward pass is the same sum
+  of the cotangents (every rank's local sums feed every rank's statistics), so
+  ``d loss / d x`` includes the other ranks' examples, as on the concatenated batch.
+* **Order.** XLA runs independent custom calls in any order, so two layers on parallel
+  branches (a ResNet block's main path and projection shortcut) could issue their
+  collectives in a different order on each rank and cross-match. Each layer's collective
+  therefore takes the previous layer's result as its ``after`` operand (the layers are
+  chained in call order while the step is traced), and its backward pass returns a
+  cotangent for ``after`` that depends on its own backward collective: the backward
+  collectives run in exactly the reverse order. `mnjax.allreduce_gradients` waits for every
+  gradient leaf before its first exchange, so the gradient buckets come after all of them.
+  (A computation traced separately, e.g. under ``nn.remat``, starts a new chain.)
+
+Eval statistics, two options besides the usual moving average:
+
+* Akiba et al. (2017) evaluate with the statistics of the last training minibatch: use
+  ``momentum=0.0``; with `SyncBatchNorm` the stored statistics are then exactly those of the
+  last *global* minibatch.
+* With per-rank ``nn.BatchNorm``, the running statistics differ across ranks:
+  `allreduce_persistent` averages them before evaluation or checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import flax.linen as nn
+from flax.linen import dtypes as flax_dtypes
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core as _jax_core  # the trace identity that scopes the order chain
+
+from mnjax.comm._collectives import sum_buffer
+from mnjax.comm._communicator import Communicator, check_communicator
+
+__all__ = ["SyncBatchNorm", "allreduce_persistent"]
+
+
+class SyncBatchNorm(nn.Module):
+  """flax ``nn.BatchNorm`` with statistics over every device of every rank of `comm`.
+
+  A drop-in replacement: the same attributes (after `comm`), call signature and variable
+  collections (``params``: ``scale``, ``bias``; ``batch_stats``: ``mean``, ``var``), so
+  checkpoints and code written for ``nn.BatchNorm`` keep working. ``axis_name`` and
+  ``axis_index_groups`` must stay None: `comm` already spans the local devices (inside
+  `mnjax.data_parallel`) and every process. Initialisation (``model.init``) uses local
+  statistics and issues no collective, like ``nn.BatchNorm``.
+
+  Call it on every rank, in the same layers, with the same feature shapes (SPMD); batch
+  sizes may differ between ranks (the counts travel with the sums).
+
+  Example:
+    >>> norm = functools.partial(mnjax.SyncBatchNorm, comm)
+    >>> model = mnjax.models.ResNet50(norm=norm)      # every BN layer synchronized
+    >>> logits, new = model.apply(variables, images, train=True, mutable=["batch_stats"])
+  """
+
+  comm: Communicator
+  use_running_average: bool | None = None
+  axis: int = -1
+  momentum: float = 0.99
+  epsilon: float = 1e-5
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  use_bias: bool = True
+  use_scale: bool = True
+  bias_init: Any = nn.initializers.zeros
+  scale_init: Any = nn.initializers.ones
+  axis_name: str | None = None
+  axis_index_groups: Any = None
+  use_fast_variance: bool = True
+  force_float32_reductions: bool = True
+
+  @nn.compact
+  def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    """Normalizes `x` with global batch statistics (or the running ones).
+
+    Args:
+      x: the input, features along ``axis``.
+      use_running_average: use the stored statistics instead of the batch's.
+      mask: optional bool array broadcastable to `x`: only True positions count.
+
+    Returns:
+      The normalized `x`, of ``dtype`` (default: inferred from `x` and the parameters).
+    """
+    check_communicator(self.comm, "SyncBatchNorm")
+    if self.axis_name is not None or self.axis_index_groups is not None:
+      raise ValueError(
+          "SyncBatchNorm: axis_name/axis_index_groups must be None; the communicator"
+          f" already reduces over every device of every rank (got axis_name={self.axis_name!r},"
+          f" axis_index_groups={self.axis_index_groups!r}). For statistics over this"
+          " process's devices only, use flax's nn.BatchNorm(axis_name=comm.axis_name).")
+    use_running_average = nn.merge_param(
+        "use_running_average", self.use_running_average, use_running_average)
+    axes = tuple(a % x.ndim for a in np.atleast_1d(self.axis))
+    reduction_axes = tuple(i for i in range(x.ndim) if i not in axes)
+    feature_shape = tuple(x.shape[a] for a in axes)
+    stat_dtype = jnp.float32 if self.force_float32_reductions else self.param_dtype
+    ra_mean = self.variable("batch_stats", "mean", lambda: jnp.zeros(feature_shape, stat_dtype))
+    ra_var = self.variable("batch_stats", "var", lambda: jnp.ones(feature_shape, stat_dtype))
+
+    if use_running_average:
+      mean, var = ra_mean.value, ra_var.value
+    else:
+      mean, var = self._batch_statistics(x, reduction_axes, mask)
+      if not self.is_initializing():
+        ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
+        ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+    return self._normalize(x, mean, var, reduction_axes, feature_shape)
+
+  def _batch_statistics(self, x, reduction_axes, mask):
+    """Global mean and (biased) variance per feature; one or two chained collectives."""
+    dtype = jnp.result_type(x) if self.dtype is None else self.dtype
+    if self.force_float32_reductions:
+      dtype = jnp.promote_types(dtype, jnp.float32)
+    x = jnp.asarray(x, dtype)
+    weight = (jnp.ones((), dtype) if mask is None
+              else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).astype(dtype))
+    count = jnp.broadcast_to(weight, x.shape).sum(reduction_axes)
+    # During init no collective: the axis and the other ranks need not exist (as flax).
+    reduce = _local_sum if self.is_initializing() else functools.partial(_chained_sum, self.comm)
+    if self.use_fast_variance:
+      s1, s2, n = reduce(jnp.stack([(x * weight).sum(reduction_axes),
+                                    (x * x * weight).sum(reduction_axes), count]))
+      mean = s1 / n
+      return mean, jnp.maximum(0.0, s2 / n - mean * mean)
+    s1, n = reduce(jnp.stack([(x * weight).sum(reduction_axes), count]))
+    mean = s1 / n
+    centred = x - jnp.expand_dims(mean, reduction_axes)
+    (s2,) = reduce((centred * centred * weight).sum(reduction_axes)[None])
+    return mean, s2 / n
+
+  def _normalize(self, x, mean, var, reduction_axes, feature_shape):
+    """flax's normalisation arithmetic, in the same order."""
+    shape = [1] * x.ndim
+    for a, size in zip((i for i in range(x.ndim) if i not in reduction_axes), feature_shape):
+      shape[a] = size
+    y = x - jnp.expand_dims(mean, reduction_axes)
+    mul = jax.lax.rsqrt(jnp.expand_dims(var, reduction_axes) + self.epsilon)
+    args = [x]
+    if self.use_scale:
+      scale = self.param("scale", self.scale_init, feature_shape, self.param_dtype).reshape(shape)
+      if not self.force_float32_reductions:
+        scale = jnp.asarray(scale, self.param_dtype)
+      mul = mul * scale
+      args.append(scale)
+    y = y * mul
+    if self.use_bias:
+      bias = self.param("bias", self.bias_init, feature_shape, self.param_dtype).reshape(shape)
+      if not self.force_float32_reductions:
+        bias = jnp.asarray(bias, self.param_dtype)
+      y = y + bias
+      args.append(bias)
+    return jnp.asarray(y, flax_dtypes.canonicalize_dtype(*args, dtype=self.dtype))
+
+
+def _local_sum(stacked):
+  return tuple(stacked)
+
+
+def _chained_sum(comm: Communicator, stacked: jax.Array) -> tuple:
+  """Global sum of `stacked`, ordered after the previous SyncBatchNorm collective."""
+  if comm.num_replicas == 1:
+    return tuple(stacked)
+  flat = stacked.reshape(-1)
+  total = _global_sum(comm, flat, _CHAIN.take(flat.dtype))
+  _CHAIN.put(total)
+  return tuple(total.reshape(stacked.shape))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _global_sum(comm: Communicator, local: jax.Array, after: jax.Array) -> jax.Array:
+  return sum_buffer(local, comm, after)
+
+
+def _global_sum_fwd(comm, local, after):
+  return sum_buffer(local, comm, after), after
+
+
+def _global_sum_bwd(comm, after, cotangent):
+  # Each rank's local sums enter every rank's output: the transpose is the same global sum.
+  summed = sum_buffer(cotangent, comm)
+  # Zero, but computed from this backward collective's result: the previous layer's backward
+  # collective (which receives this cotangent) must wait for this one. XLA does not fold
+  # x * 0 for floats (NaN semantics), so the dependency survives compilation.
+  return summed, jnp.zeros_like(after) + summed[-1].astype(after.dtype) * 0
+
+
+_global_sum.defvjp(_global_sum_fwd, _global_sum_bwd)
+
+
+class _OrderChain(threading.local):
+  """The last SyncBatchNorm collective of the computation being traced (per thread).
+
+  Layers run in Python call order while a step is traced; each one's collective waits for
+  the previous one's. A value left over from another trace (a previous step, an inner
+  ``remat``) is never used: the chain restarts with a constant.
+  """
+
+  def __init__(self):
+    self._trace = None
+    self._last = None
+
+  def take(self, dtype) -> jax.Array:
+    trace = _jax_core.get_opaque_trace_state()
+    if self._last is not None and self._trace == trace:
+      return self._last
+    return jnp.zeros((), dtype)
+
+  def put(self, value: jax.Array) -> None:
+    self._trace = _jax_core.get_opaque_trace_state()
+    self._last = value
+
+
+_CHAIN = _OrderChain()
+
+
+def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
+  """The mean over ranks of every leaf of `tree` (ChainerMN's ``AllreducePersistent``).
+
+  For running statistics of per-rank ``nn.BatchNorm`` layers (which drift apart across
+  ranks): call it on the ``batch_stats`` collection before evaluating or saving, so every
+  rank holds the same averaged statistics. Host-level and collective (call on every rank);
+  the tree's structure, shapes and dtypes are checked on every rank first, and a mismatch
+  raises the same error everywhere.
+
+  Example:
+    >>> state = state.replace(batch_stats=mnjax.allreduce_persistent(state.batch_stats, comm))
+  """
+  check_communicator(comm, "allreduce_persistent")
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  signature = (str(treedef), [(np.shape(v), str(np.asarray(v).dtype)) for v in leaves])
+  signatures = comm.mpi_comm.allgather(signature)
+  differing = [r for r, s in enumerate(signatures) if s != signatures[0]]
+  if differing:
+    raise ValueError(
+        f"allreduce_persistent: ranks {differing} hold a tree that differs from rank 0's"
+        f" (structure, shapes or dtypes); rank 0 has {signatures[0]}, rank {differing[0]}"
+        f" has {signatures[differing[0]]}. Every rank must pass the same collection.")
+  for leaf in leaves:
+    if not np.issubdtype(np.asarray(leaf).dtype, np.floating):
+      raise TypeError(f"allreduce_persistent: leaves must be floating point, got"
+                      f" {np.asarray(leaf).dtype}.")
+  if comm.size == 1 or not leaves:
+    return tree
+  from mpi4py import MPI  # noqa: PLC0415
+
+  buf = np.concatenate([np.asarray(v, np.float64).ravel() for v in leaves])
+  comm.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+  buf /= comm.size
+  out, offset = [], 0
+  for leaf in leaves:
+    size = int(np.size(leaf))
+    value = buf[offset:offset + size].reshape(np.shape(leaf)).astype(np.asarray(leaf).dtype)
+    out.append(jnp.asarray(value) if isinstance(leaf, jax.Array) else value)
+    offset += size
+  return jax.tree_util.tree_unflatten(treedef, out)
