@@ -32,7 +32,7 @@ from mnjax.guard import Watchdog, check_replicas
 from mnjax.nn import SyncBatchNorm, allreduce_persistent
 from mnjax.optim import (
     accumulate_gradients, allreduce_gradients, raise_if_diverging, recipes, skip_nonfinite)
-from mnjax.train import allreduce_metrics, data_parallel, global_mean
+from mnjax.train import allreduce_metrics, data_parallel, global_mean, mean_metrics
 
 __version__ = "0.1.0"
 
@@ -60,6 +60,7 @@ __all__ = [
     "global_mean",
     "guard",
     "local_batch_size",
+    "mean_metrics",
     "models",
     "nn",
     "optim",

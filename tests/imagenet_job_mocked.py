@@ -14,15 +14,16 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-import imagenet  # noqa: E402
+import imagenet
 
-import mnjax  # noqa: E402
+import mnjax
 
 if __name__ == "__main__":
   config = imagenet.parse_args(sys.argv[1:])
   comm = mnjax.create_communicator(config.comm)
   with tfds.testing.mock_data(num_examples=int(os.environ.get("MNJAX_MOCK_EXAMPLES", "32"))):
     state, _ = imagenet.train_and_evaluate(config, comm)
+  assert state.batch_stats is not None  # a ResNet's state carries its BN statistics
   leaves = jax.tree.leaves((state.params, state.batch_stats))
   digest = hashlib.sha256(b"".join(np.asarray(v).tobytes() for v in leaves)).hexdigest()
   print(f"DIGEST rank {comm.rank} {digest}", flush=True)

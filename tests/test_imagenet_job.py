@@ -7,8 +7,8 @@ import shutil
 
 from launch import run_mpi
 
-FLAGS = ["tests/imagenet_job_mocked.py", "--config", "cifar10", "--global_batch_size", "8",
-         "--base_lr", "0.32", "--warmup_epochs", "0"]
+FLAGS = ["tests/imagenet_job_mocked.py", "--config", "resnet18_cifar10", "--global_batch_size",
+         "8", "--base_lr", "0.32", "--warmup_epochs", "0"]
 
 
 def run(workdir, *flags):

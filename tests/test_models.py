@@ -1,14 +1,17 @@
-"""The flax models: the reference architectures' exact parameter counts, both stems, and the
-zero-initialised residual branches."""
+"""The flax models: the reference architectures' exact parameter counts, both stems, the
+zero-initialised residual branches, and the classifier state that carries batch statistics
+only for the models that have them."""
 
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from mnjax.models import ResNet18, ResNet50
+from mnjax.models import ResNet18, ResNet50, SmallCNN
+from mnjax.train import create_train_state, eval_step, train_step
 
 
 def param_count(model, size):
@@ -37,8 +40,10 @@ def test_cifar_resnet_updates_its_batch_statistics_and_zero_initialises_residual
                          updates["batch_stats"])
   assert all(jax.tree.leaves(changed))
   # Goyal et al.: the last norm scale of every residual block starts at zero.
-  scales = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(variables["params"])[0]
-            if "BatchNorm_1" in jax.tree_util.keystr(path) and "BasicBlock" in jax.tree_util.keystr(path)]
+  flat = jax.tree_util.tree_flatten_with_path(variables["params"])[0]
+  scales = [leaf for path, leaf in flat
+            if "BatchNorm_1" in jax.tree_util.keystr(path)
+            and "BasicBlock" in jax.tree_util.keystr(path)]
   assert scales and all(np.all(s == 0) for s in scales)
 
 
@@ -54,6 +59,33 @@ def test_resnet_bn_momentum_zero_keeps_only_the_last_batch_statistics():
     variables = model.init(jax.random.key(0), x, train=False)
     shifted = jax.tree.map(lambda s: s + 1.0, variables["batch_stats"])
     _, a = model.apply(variables, x, train=True, mutable=["batch_stats"])
-    _, b = model.apply({**variables, "batch_stats": shifted}, x, train=True, mutable=["batch_stats"])
+    _, b = model.apply({**variables, "batch_stats": shifted}, x, train=True,
+                       mutable=["batch_stats"])
     same = all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     assert same == forgets
+
+
+def test_a_resnet_state_carries_batch_statistics_that_train_steps_update_and_eval_reads():
+  x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype(np.float32)
+  y = np.arange(4, dtype=np.int32)
+  model = ResNet18(num_classes=10, stem="cifar")
+  state = create_train_state(model, optax.sgd(0.1), x[:1], jax.random.key(0))
+  assert state.takes_train and state.batch_stats is not None
+  trained, sums = train_step(state, x, y)
+  assert int(sums["count"]) == 4 and int(trained.step) == 1
+  moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), state.batch_stats,
+                       trained.batch_stats)
+  assert all(jax.tree.leaves(moved))  # every running statistic took the batch in
+  # Evaluation normalises with the running statistics: other statistics, other loss.
+  mask = np.ones(4, bool)
+  shifted = trained.replace(batch_stats=jax.tree.map(lambda s: s + 1.0, trained.batch_stats))
+  assert float(eval_step(trained, x, y, mask)["loss_sum"]) != float(
+      eval_step(shifted, x, y, mask)["loss_sum"])
+
+
+def test_a_model_without_batch_statistics_gets_none_and_is_called_without_train():
+  state = create_train_state(SmallCNN(), optax.sgd(0.1), jnp.zeros((1, 8, 8, 1)),
+                             jax.random.key(0))
+  assert state.batch_stats is None and not state.takes_train
+  state, _ = train_step(state, jnp.zeros((2, 8, 8, 1)), jnp.zeros(2, jnp.int32))
+  assert state.batch_stats is None

@@ -1,7 +1,32 @@
-"""Benchmarks: ``python -m mnjax.bench <name>``. Ratios are measured side by side in one run.
+"""Benchmarks: ``python -m mnjax.bench <name> [options]``, ratios measured side by side in one run.
 
-Available: ``step`` (overhead of `allreduce_gradients` in a train step; communication
-efficiency at 2 ranks), ``kinds`` (communicator kinds on emulated multi-device nodes), and
-``gpu``: the prepared check for a GPU machine (correctness of every kind, collective order,
-ResNet step and allreduce figures in one time-boxed call; ``--smoke`` on a CPU).
+Each benchmark re-launches itself under ``mpirun`` where it needs several ranks (``--help``
+per benchmark), prints a table and writes JSON to ``runs/bench/<name>.json`` (``--out``);
+the dated results are in docs/results/, the JSON they come from in docs/results/bench/.
+
+* ``python -m mnjax.bench allreduce``: one float32 buffer from 4 B to 128 MB on 2 ranks,
+  every method side by side (raw MPI on numpy buffers, mpi4jax, mnjax in fp32 and over a
+  16-bit wire, JAX's own psum), then ResNet-50's 161 gradient leaves reduced per leaf, in
+  buckets and fused.
+* ``python -m mnjax.bench step``: the cost of `allreduce_gradients` in the digits CNN train
+  step: the overhead on a size-1 communicator (against plain optax) and the communication
+  efficiency at 2 ranks (against the same step with no communication, and the naive
+  ``mpi4jax.allreduce`` baseline).
+* ``python -m mnjax.bench kinds``: the communicator kinds on emulated multi-device nodes
+  (2 processes x 2 devices): gradient reduction time (digits CNN, ResNet-50-sized) and step
+  efficiency against a step that averages over the local devices only.
+* ``python -m mnjax.bench resnet``: ResNet-50 training throughput on synthetic images at 1
+  rank (plain flax + optax against mnjax with SyncBatchNorm: the overhead) and 2 ranks
+  (SyncBatchNorm or per-rank BatchNorm with `allreduce_gradients`, against no
+  communication: communication and weak-scaling efficiency).
+* ``python -m mnjax.bench checks``: what the default-on safety checks cost the digits CNN
+  step at 2 ranks (`skip_nonfinite`, the `Watchdog`, `raise_if_diverging`; `check_replicas`
+  per call and per epoch).
+* ``python -m mnjax.bench scaling``: communication and weak-scaling efficiency of the digits
+  CNN step at 1, 2, 3 and 4 ranks, for `notebooks/scaling` and the cost model's calibration.
+* ``python -m mnjax.bench gpu``: the prepared check for a GPU machine, time-boxed to one
+  call: devices per rank, every kind's averaged gradients against ``flat`` and a float64
+  reference, the compiled order of collectives on each rank, a ResNet-50 step against plain
+  flax + optax, the allreduce sweep and SyncBatchNorm's share of the step (``--smoke`` on a
+  CPU, as CI runs it).
 """

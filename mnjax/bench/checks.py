@@ -36,8 +36,8 @@ from mpi4py import MPI
 import mnjax
 from mnjax.bench.launch import relaunch
 from mnjax.bench.rounds import time_rounds
-from mnjax.train._classifier import create_train_state, train_step
 from mnjax.models import SmallCNN
+from mnjax.train._classifier import create_train_state, train_step
 
 STEPS_PER_DIGITS_EPOCH = 22  # 1,438 training images / 64 per step, as experiments/train.py
 

@@ -67,7 +67,6 @@ def _environment(comms: dict) -> dict:
   import jax
   import jaxlib
   import mpi4jax
-  from mpi4jax._src import xla_bridge
   from mpi4py import MPI
 
   first = next(iter(comms.values()))
@@ -75,7 +74,7 @@ def _environment(comms: dict) -> dict:
           "devices": {kind: str(comm.devices) for kind, comm in comms.items()},
           "device_kind": first.devices[0].device_kind,
           "MPI4JAX_USE_CUDA_MPI": os.environ.get("MPI4JAX_USE_CUDA_MPI"),
-          "mpi4jax_cuda_ext": bool(xla_bridge.HAS_CUDA_EXT)}
+          "mpi4jax_cuda_ext": bool(mpi4jax.has_cuda_support())}
   return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "mpi4jax": mpi4jax.__version__,
           "platform": first.devices[0].platform,
           "mpi_library": MPI.Get_library_version().strip().splitlines()[0],

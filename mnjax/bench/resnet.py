@@ -36,9 +36,9 @@ from mpi4py import MPI
 
 import mnjax
 from mnjax import models
-from mnjax.train import _bn_classifier as bn_classifier
 from mnjax.bench.launch import relaunch
 from mnjax.bench.rounds import time_rounds
+from mnjax.train._classifier import create_train_state, make_train_step
 
 MODELS = {"resnet18": models.ResNet18, "resnet50": models.ResNet50}
 
@@ -78,13 +78,13 @@ def _worker(args) -> dict:
   shape = (args.batch_per_rank, args.image_size, args.image_size, 3)
   images = jnp.asarray(rng.normal(size=shape).astype(np.float32))
   labels = jnp.asarray(rng.integers(0, 1000, args.batch_per_rank).astype(np.int32))
-  step = bn_classifier.make_train_step(comm)
+  step = make_train_step(comm)
   states = {}
   for name, (norm, tx) in _variants(comm.size, comm).items():
     model = MODELS[args.model](num_classes=1000, norm=norm)
     # Jitted: eager init runs (and compiles) ResNet's ops one by one, 3-5x slower.
-    state = jax.jit(lambda: bn_classifier.create_state(model, tx, images[:1],
-                                                       jax.random.key(0)))()
+    state = jax.jit(functools.partial(create_train_state, model, tx, images[:1],
+                                      jax.random.key(0)))()
     for _ in range(2):  # compile, warm up
       state, _ = step(state, images, labels)
     states[name] = jax.block_until_ready(state)

@@ -37,8 +37,8 @@ from mpi4py import MPI
 import mnjax
 from mnjax.bench.launch import relaunch
 from mnjax.bench.rounds import time_rounds
-from mnjax.train._classifier import create_train_state, train_step
 from mnjax.models import SmallCNN
+from mnjax.train._classifier import create_train_state, train_step
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -9,10 +9,10 @@ orbax-checkpoint, and restores it exactly:
   the others only check that they are saving the same step.
 - **Atomic.** Orbax writes into a temporary directory and renames it when complete; a save
   killed half-way is never listed, never loaded. The last ``keep`` checkpoints are kept.
-- **Verified.** Each checkpoint carries a BLAKE2b digest per leaf. A checkpoint that
-  does not read back, or whose bytes no longer match (truncated, flipped), is reported and
-  skipped in favour of the previous one; if none is readable, restore fails saying so.
-  It is never loaded silently.
+- **Verified.** Each checkpoint carries a BLAKE2b digest per leaf (`mnjax.comm._digest`).
+  A checkpoint that does not read back, or whose bytes no longer match (truncated,
+  flipped), is reported and skipped in favour of the previous one; if none is readable,
+  restore fails saying so. It is never loaded silently.
 - **Same step everywhere.** Rank 0 chooses the step, reads it and broadcasts the state, so
   ranks with a stale or private view of the directory cannot resume from different steps.
 
@@ -22,7 +22,6 @@ it in the background while training goes on.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from typing import Any
@@ -31,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mnjax.comm._host import broadcast
-from mnjax.guard._preflight import tree_signature
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._digest import compare_digests, tree_digests
+from mnjax.comm._host import broadcast, tree_signature
 
 __all__ = ["Checkpointer", "CorruptCheckpointError"]
 
@@ -72,13 +71,15 @@ def _like(value: np.ndarray, template: Any) -> Any:
 
 
 def _digests(tree: Any) -> dict[str, str]:
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{leaf.shape}{leaf.dtype.str}".encode())
-    h.update(np.ascontiguousarray(leaf).view(np.uint8).data)
-    out[jax.tree_util.keystr(path)] = h.hexdigest()
-  return out
+  """``{leaf path: 128-bit digest}`` of a host tree, as saved in each checkpoint's record."""
+  return {path: digest for path, (digest,) in tree_digests(tree, digest_size=16).items()}
+
+
+def _damaged(saved: dict[str, str], state: Any) -> list[str]:
+  """The leaves of `state` (read back) whose digest is not the one `saved` with it."""
+  # Older records name the one leaf of a state that is a bare array '' rather than '<root>'.
+  saved = {path or "<root>": [digest] for path, digest in saved.items()}
+  return list(compare_digests(saved, tree_digests(state, digest_size=16)))
 
 
 class Checkpointer:
@@ -95,11 +96,12 @@ class Checkpointer:
       compared by `resume`.
 
   Example:
-    >>> ckpt = mnjax.Checkpointer("runs/x/checkpoints", comm, keep=3, settings={"seed": 0})
+    >>> import tempfile
+    >>> state = {"w": jnp.zeros(3), "step": 0}
+    >>> ckpt = mnjax.Checkpointer(tempfile.mkdtemp(), comm, keep=3, settings={"seed": 0})
     >>> restored = ckpt.restore(state)            # None when there is nothing to resume
-    >>> if restored is not None:
-    ...   step, state, meta = restored
-    >>> ckpt.save(step, state, meta={"epoch": epoch, "batch": i})
+    >>> step, state, meta = restored or (0, state, {"epoch": 1})
+    >>> ckpt.save(step + 1, state, meta={"epoch": 1, "batch": 0})
     >>> ckpt.close()
   """
 
@@ -151,7 +153,7 @@ class Checkpointer:
               "signature": _signature(host)}
     args = self._ocp.args
     self._manager.wait_until_finished()
-    if step in self._manager.all_steps():  # left by an earlier attempt (e.g. one skipped as damaged)
+    if step in self._manager.all_steps():  # an earlier attempt's (e.g. one skipped as damaged)
       self._manager.delete(step)
     # force: orbax would otherwise skip, without a word, any step not newer than its latest.
     self._manager.save(step, force=True, args=args.Composite(
@@ -169,7 +171,7 @@ class Checkpointer:
       self._manager.close()
       self._manager = None
 
-  def __enter__(self) -> "Checkpointer":
+  def __enter__(self) -> Checkpointer:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -192,8 +194,9 @@ class Checkpointer:
     Args:
       template: a pytree like the saved state (e.g. the freshly initialised state): its
         structure, shapes and dtypes are checked (a Python scalar leaf, like a fresh
-        ``TrainState.step``, or a 0-d numpy one, takes the dtype that was saved), and its leaves say how to
-        return each value (jax array on the same sharding, numpy, PRNG key, scalar).
+        ``TrainState.step``, or a 0-d numpy one, takes the dtype that was saved), and its
+        leaves say how to return each value (jax array on the same sharding, numpy, PRNG
+        key, scalar).
 
     Returns:
       None when the directory holds no checkpoint; otherwise ``(step, state, meta)``.
@@ -232,8 +235,8 @@ class Checkpointer:
       `restore`'s ``(step, state, meta)``, or None to start from `template`.
 
     Example:
-      >>> restored = ckpt.resume(state, requested=args.resume)
-      >>> step, state, meta = restored or (0, state, {"epoch": 1})
+      >>> restored = ckpt.resume(state, requested=args.resume)  # doctest: +SKIP
+      >>> step, state, meta = restored or (0, state, {"epoch": 1})  # doctest: +SKIP
     """
     if requested:
       return self.restore(template)
@@ -261,7 +264,7 @@ class Checkpointer:
         state = self._manager.restore(step, args=args.Composite(
             state=args.StandardRestore(target)))["state"]
         state = jax.tree.map(np.asarray, state)
-        bad = [p for p, d in _digests(state).items() if record["digests"].get(p) != d]
+        bad = _damaged(record["digests"], state)
         if bad:
           raise ValueError(f"its bytes do not match the digests saved with it (leaves {bad[:5]})")
       except Exception as error:  # noqa: BLE001 (any read failure means: do not load it)

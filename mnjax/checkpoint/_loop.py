@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from mnjax.checkpoint._checkpointer import Checkpointer
-from mnjax.train._metrics import allreduce_metrics
+from mnjax.comm import _host as host
 from mnjax.comm._communicator import Communicator
 
 __all__ = ["LoopCheckpoints"]
@@ -69,7 +69,7 @@ class LoopCheckpoints:
     if step == self._last_step:
       return
     self._last_step = step
-    self.checkpointer.save(step, {"train": state, "sums": allreduce_metrics(sums, self.comm)},
+    self.checkpointer.save(step, {"train": state, "sums": host.allreduce(sums, self.comm, caller="LoopCheckpoints.save")},
                            meta={"epoch": epoch, "batch": batch})
 
   def close(self) -> None:

@@ -7,10 +7,11 @@ and unpacking are ordinary XLA ops that fuse with the surrounding step; the pack
 an intermediate, so the in-place MPI handler (`mnjax.comm._native`) reduces it where it lies. On a
 size-1 communicator no collective is traced at all, so single-process runs pay nothing.
 
-This is the one module that knows about MPI datatypes: MPI has no 16-bit float type, so
-half-precision *leaves* travel as float32 and are cast back, while a half-precision *wire*
-(``wire_dtype``) is built from 16-bit moves with float32 sums (`mnjax.comm._wire`). Host-level
-transfers (initial parameters) live in `mnjax.broadcast`.
+Which dtypes MPI can sum is `mnjax.comm._primitives`'s to say (`sum_dtype`): it has no
+16-bit float type, so half-precision *leaves* travel as float32 and are cast back here,
+while a half-precision *wire* (``wire_dtype``) is built from 16-bit moves with float32 sums
+(`mnjax.comm._wire`). Host-level transfers (initial parameters, metrics) live in
+`mnjax.comm._host`.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import Communicator, check_communicator
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "allreduce_tree", "check_bucket_bytes", "check_float_leaves",
-    "bucket_bytes_from_mb", "default_bucket_bytes",
-    "completion_token", "group_by_dtype", "pack", "plan_buckets", "sum_buffer", "unpack",
-    "wire_dtype_of",
+    "DEFAULT_BUCKET_BYTES", "allreduce_tree", "bucket_bytes_from_mb", "check_bucket_bytes",
+    "check_float_leaves", "completion_token", "default_bucket_bytes", "group_by_dtype", "pack",
+    "plan_buckets", "sum_buffer", "unpack", "wire_dtype_of",
 ]
 
 
@@ -66,10 +66,7 @@ def wire_dtype_of(dtype: Any) -> np.dtype:
     >>> wire_dtype_of(jnp.bfloat16)
     dtype('float32')
   """
-  dtype = np.dtype(dtype)
-  if dtype in wire.WIRE_DTYPES:
-    return np.dtype(np.float32)
-  return dtype
+  return mpi_ops.sum_dtype(dtype)
 
 
 def check_float_leaves(tree: Any, caller: str, *, real: bool = False) -> None:
@@ -81,6 +78,7 @@ def check_float_leaves(tree: Any, caller: str, *, real: bool = False) -> None:
 
   Example:
     >>> check_float_leaves({"step": jnp.zeros((), jnp.int32)}, "my_fn")
+    Traceback (most recent call last):
     TypeError: my_fn: every gradient leaf must be a floating-point ... leaf ['step'] ...
   """
   kind = jnp.floating if real else jnp.inexact
@@ -114,7 +112,8 @@ def check_bucket_bytes(bucket_bytes: Any, caller: str,
     return None
   if isinstance(bucket_bytes, str) and bucket_bytes == "auto" and comm is not None:
     return default_bucket_bytes(comm)
-  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
+  if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer))
+      or bucket_bytes <= 0):
     raise ValueError(
         f"{caller}: bucket_bytes must be 'auto' (the platform's default), None (one buffer"
         f" per dtype, no cap) or a positive number of bytes, got {bucket_bytes!r}; e.g."
@@ -155,7 +154,8 @@ def group_by_dtype(dtypes: list[Any], key=wire_dtype_of) -> list[Bucket]:
 
   Example:
     >>> group_by_dtype([jnp.float32, jnp.complex64, jnp.bfloat16])
-    [Bucket(dtype=dtype('float32'), positions=(0, 2)), Bucket(dtype=dtype('complex64'), positions=(1,))]
+    [Bucket(dtype=dtype('float32'), positions=(0, 2)),
+     Bucket(dtype=dtype('complex64'), positions=(1,))]
   """
   by_key: dict[np.dtype, list[int]] = {}
   for i, dtype in enumerate(dtypes):
@@ -174,7 +174,8 @@ def plan_buckets(leaves: list[Any], *, wire_dtype: np.dtype | None = None,
 
   Example:
     >>> plan_buckets([jnp.ones(4), jnp.ones(4), jnp.ones(4)], bucket_bytes=32)
-    [Bucket(dtype=dtype('float32'), positions=(2, 1)), Bucket(dtype=dtype('float32'), positions=(0,))]
+    [Bucket(dtype=dtype('float32'), positions=(2, 1)),
+     Bucket(dtype=dtype('float32'), positions=(0,))]
   """
   key = (lambda dtype: np.float32) if wire_dtype is not None else wire_dtype_of
   groups = group_by_dtype([leaf.dtype for leaf in leaves], key=key)
@@ -390,7 +391,7 @@ def _hierarchical(buf, comm, wire_dtype, after):
   first = jax.lax.axis_index(comm.axis_name) == 0
   reduced = jax.lax.cond(
       first, lambda b, a: _mpi_sum(b, comm.device_comms[0], wire_dtype, a),
-      lambda b, a: jnp.zeros_like(b), local, _operand(after))
+      lambda b, a: jnp.zeros_like(b), local, mpi_ops.after_operand(after))
   return jax.lax.psum(reduced, comm.axis_name)
 
 
@@ -402,13 +403,9 @@ def _two_dimensional(buf, comm, wire_dtype, after):
   shard = jax.lax.psum_scatter(padded, comm.axis_name, tiled=True)
   if comm.size > 1:
     branches = [lambda s, a, c=c: _mpi_sum(s, c, wire_dtype, a) for c in comm.device_comms]
-    shard = jax.lax.switch(jax.lax.axis_index(comm.axis_name), branches, shard, _operand(after))
+    shard = jax.lax.switch(jax.lax.axis_index(comm.axis_name), branches, shard,
+                           mpi_ops.after_operand(after))
   return jax.lax.all_gather(shard, comm.axis_name, tiled=True)[: buf.size]
-
-
-def _operand(after):
-  """`after` as an array operand of cond/switch (the first collective has none)."""
-  return jnp.zeros((), jnp.uint8) if after is None else after
 
 
 _REDUCERS = {

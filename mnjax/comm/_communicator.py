@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 from mpi4py import MPI
 
+from mnjax.comm import _compat as compat
 from mnjax.comm import _cuda_mpi as cuda_mpi
 from mnjax.comm import _devices as devices_lib
 from mnjax.comm import _failfast as failfast
@@ -45,8 +47,11 @@ class Communicator:
 
   Attributes:
     kind: the communicator kind (see `KINDS`).
-    rank: this process's rank among all processes.
-    size: the number of processes.
+    rank: this process's rank among all processes. Under the MPI kinds JAX's own
+      ``jax.process_index()`` stays 0 on every rank (they do not start jax.distributed):
+      code ported from ``pmap`` reads `rank` instead, and `is_root` for
+      ``jax.process_index() == 0``.
+    size: the number of processes (``jax.process_count()`` stays 1 under the MPI kinds).
     intra_rank: rank among the processes on this node (MPI shared-memory split).
     intra_size: number of processes on this node.
     inter_rank: index of this node among the nodes (0 .. inter_size - 1).
@@ -208,9 +213,7 @@ def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int,
 
 
 def _jax_started() -> bool:
-  from jax._src import xla_bridge  # noqa: PLC0415 (no public query for this)
-
-  return xla_bridge.backends_are_initialized()
+  return compat.jax_backends_started()
 
 
 def _node_split(clone: MPI.Intracomm) -> MPI.Intracomm:
@@ -265,6 +268,11 @@ def create_communicator(
   before JAX starts so that JAX opens only those GPUs; ``jax_default_device`` is set to
   ``devices[0]``. Call it before any other JAX call. ``MNJAX_EMULATE_NODES=k`` (a testing
   aid) splits the ranks into ``k`` nodes of consecutive ranks.
+
+  JAX's process view: under the MPI kinds ``jax.process_index()`` and
+  ``jax.process_count()`` stay 0 and 1 on every rank (only ``xla`` starts jax.distributed);
+  use ``comm.rank``, ``comm.size`` and ``comm.is_root`` instead. With several ranks, rank 0
+  warns once (a `UserWarning` starting ``mnjax: jax.process_index``).
 
   Returns:
     A frozen, hashable `Communicator`.
@@ -345,7 +353,7 @@ def create_communicator(
     jax.config.update("jax_default_device", devices[0])
   if abort_on_error and clone.size > 1:
     failfast.install()
-  return Communicator(
+  comm = Communicator(
       kind=kind,
       rank=clone.rank,
       size=clone.size,
@@ -361,3 +369,30 @@ def create_communicator(
       device_comms=tuple(clone.Clone() for _ in devices) if kind in MULTI_DEVICE_KINDS else (),
       devices=devices,
   )
+  _warn_if_jax_disagrees(comm)
+  return comm
+
+
+def _warn_if_jax_disagrees(comm: Communicator) -> None:
+  """Once, on rank 0: JAX's process view is not the job's (the MPI kinds, several ranks).
+
+  Ported ``pmap`` code picks its data shard and its writing process by
+  ``jax.process_index()``; under the MPI kinds that is 0 on every rank, so every rank would
+  read shard 0 and write files, silently. JAX cannot be told otherwise without starting
+  jax.distributed, which the MPI kinds deliberately do not (kind ``xla`` does).
+  """
+  import jax  # noqa: PLC0415 (started by devices_lib.choose_devices)
+
+  if comm.kind == "xla" or comm.size == 1 or comm.rank != 0 or jax.process_count() == comm.size:
+    return
+  warnings.warn(
+      f"mnjax: jax.process_index() is {jax.process_index()} and jax.process_count() is"
+      f" {jax.process_count()} in this {comm.size}-process job (kind {comm.kind!r} runs over"
+      " MPI and does not start jax.distributed). Code that picks its data shard or the"
+      " process that writes by them (flax's examples, tfds.split_for_jax_process,"
+      " flax.training.checkpoints) would read shard 0 and write on every rank. Use"
+      " comm.rank for jax.process_index(), comm.size for jax.process_count() and"
+      " comm.is_root for jax.process_index() == 0 (README, \"Porting a pmap script\"). Once the"
+      " script does, silence this with warnings.filterwarnings('ignore',"
+      " message='mnjax: jax.process_index').",
+      UserWarning, stacklevel=3)

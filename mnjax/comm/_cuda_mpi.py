@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from mnjax.comm import _compat as compat
+
 __all__ = ["ENV", "configure", "mpi_reports_cuda"]
 
 #: mpi4jax's switch: "1" device pointers to a CUDA-aware MPI, "0" copy through host memory.
@@ -44,10 +46,9 @@ def configure(environ=os.environ) -> bool:
   global _configured
   if _configured is not None:
     return _configured
-  from mpi4jax._src import decorators  # noqa: PLC0415 (mpi4jax keeps this private)
-  from mpi4jax._src import xla_bridge  # noqa: PLC0415
+  import mpi4jax  # noqa: PLC0415
 
-  if not xla_bridge.HAS_CUDA_EXT:
+  if not mpi4jax.has_cuda_support():
     raise RuntimeError(
         "mnjax: mpi4jax's CUDA extension is not installed or did not load, so the MPI"
         " communicator kinds cannot run on GPUs. Rebuild it: MNJAX_EXTRAS=cuda"
@@ -72,8 +73,7 @@ def configure(environ=os.environ) -> bool:
         f" {ENV}=0 (copy through host memory), or build against a CUDA-aware MPI"
         " (MNJAX_MPI=system scripts/setup.sh with the cluster's CUDA-aware MPI on PATH)."
     )
-  decorators._cuda_mpi_setup_done = True  # mnjax decided; mpi4jax's own setup must not warn
-  xla_bridge.mpi_xla_bridge_cuda.set_copy_to_host(not cuda_aware)
+  compat.set_mpi4jax_cuda_copy_mode(copy_to_host=not cuda_aware)  # mnjax decided, not mpi4jax
   _configured = cuda_aware
   return cuda_aware
 

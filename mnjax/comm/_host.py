@@ -1,13 +1,30 @@
-"""Host-level broadcast of a pytree (initial parameters, optimizer state), outside any trace.
+"""Host-level collectives on pytrees, outside any trace: broadcast, exact sums, averages.
 
-It uses mpi4py on numpy buffers, fused per dtype, after checking on every rank that all
-ranks passed the same tree structure, shapes and dtypes — a mismatch raises everywhere
-instead of corrupting memory or hanging. Host traffic runs on ``comm.mpi_comm``, never on
-the in-step communicators (see `mnjax.comm._primitives`).
+The one home of what every host collective needs:
+
+* the *tree signature* ranks compare before anything moves (`tree_signature`; the
+  pre-flight check of `mnjax.allreduce_gradients` compares it too), and the comparison
+  (`gather_if_different`, `check_same_tree`): one allgather of a 16-byte hash, the full
+  signatures only on a mismatch, so a wrong tree raises the same `ValueError` on every rank
+  instead of corrupting memory or hanging;
+* fused numpy buffers, one per dtype (`fuse`, `split`, `reduce_arrays`): one MPI call per
+  dtype, not one per leaf.
+
+Built on them: `broadcast` (initial parameters, optimizer state, a restored checkpoint),
+`allreduce` (exact sums: integers as int64, floats as float64; under `mnjax.allreduce_metrics`
+and `mnjax.mean_metrics`) and `allreduce_persistent` (averaged running statistics). Per-leaf
+digests (replica consensus, checkpoint verification) are in `mnjax.comm._digest`.
+
+Traffic is mpi4py on numpy buffers (mpi4py types them itself: raw bytes for `broadcast`),
+on ``comm.mpi_comm``, never on the in-step communicators (see `mnjax.comm._primitives`): a
+host collective issued while a step still runs asynchronously is never matched with it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -18,13 +35,220 @@ from mpi4py import MPI
 from mnjax.comm._collectives import group_by_dtype
 from mnjax.comm._communicator import Communicator, check_communicator
 
-__all__ = ["broadcast"]
+__all__ = [
+    "allreduce", "allreduce_persistent", "broadcast", "check_numbers", "check_same_tree",
+    "fuse", "gather_if_different", "is_number", "leaf_paths", "reduce_arrays", "split",
+    "tree_signature",
+]
+
+_HASH_BYTES = 16
 
 
-def _signature(tree: Any, arrays: list[np.ndarray]) -> tuple:
-  """(leaf path, shape, dtype) per leaf: what must agree across ranks before a transfer."""
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  return tuple((p, a.shape, a.dtype.str) for p, a in zip(paths, arrays))
+def leaf_paths(tree: Any) -> list[str]:
+  """Every leaf's path, in flattening order (``<root>`` for a tree that is one leaf).
+
+  Example:
+    >>> leaf_paths({"w": 1, "b": [2, 3]})
+    ["['b'][0]", "['b'][1]", "['w']"]
+  """
+  return [jax.tree_util.keystr(path) or "<root>"
+          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+  """``(leaf path, shape, dtype)`` for every leaf of `tree`, in flattening order.
+
+  What ranks must agree on before they exchange a tree. Works on concrete arrays and on
+  tracers (shape and dtype are static).
+
+  Example:
+    >>> tree_signature({"w": jnp.zeros((2, 3))})
+    (("['w']", (2, 3), 'float32'),)
+  """
+  return tuple(
+      (path, tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__)))
+      for path, leaf in zip(leaf_paths(tree), jax.tree_util.tree_leaves(tree))
+  )
+
+
+def gather_if_different(comm: Communicator, value: Any, *, timeout: float | None = None,
+                        timeout_message: str = "") -> list[Any] | None:
+  """None when every rank passed an equal `value`; otherwise every rank's value.
+
+  Collective over ``comm.mpi_comm``: one allgather of a 16-byte BLAKE2b hash of
+  ``repr(value)`` (so `value` needs a deterministic ``repr``); the values themselves travel
+  only on a mismatch, and every rank then gets the same list. With `timeout`, a rank that
+  waits longer for the others raises `TimeoutError` with `timeout_message`.
+
+  Example:
+    >>> gather_if_different(comm, tree_signature({"w": np.zeros(3)})) is None  # same everywhere
+    True
+  """
+  if comm.size == 1:
+    return None
+  mine = np.frombuffer(
+      hashlib.blake2b(repr(value).encode(), digest_size=_HASH_BYTES).digest(), np.uint8)
+  everyone = np.empty((comm.size, _HASH_BYTES), np.uint8)
+  if timeout is None:
+    comm.mpi_comm.Allgather(mine, everyone)
+  else:
+    request = comm.mpi_comm.Iallgather(mine, everyone)
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+      if time.monotonic() > deadline:
+        raise TimeoutError(timeout_message)
+      time.sleep(1e-3)
+  if (everyone == everyone[0]).all():
+    return None
+  return comm.mpi_comm.allgather(value)
+
+
+def check_same_tree(tree: Any, comm: Communicator, caller: str, *, root: int = 0) -> None:
+  """Raises `ValueError` on every rank unless every rank passed a tree with the same
+  structure, shapes and dtypes as rank `root` (`tree_signature`). Collective.
+
+  Example:
+    >>> check_same_tree({"mean": np.zeros(3)}, comm, "my_average")  # before moving it
+  """
+  everyone = gather_if_different(comm, tree_signature(tree))
+  if everyone is None:
+    return
+  ref = everyone[root]
+  differing = [rank for rank, sig in enumerate(everyone) if sig != ref]
+  details = []
+  for rank in differing:
+    sig = everyone[rank]
+    if len(sig) != len(ref):
+      details.append(f"rank {rank} has {len(sig)} leaves, rank {root} has {len(ref)}")
+    diff = next(((s, r) for s, r in zip(sig, ref) if s != r), None)
+    if diff is not None:
+      (path, shape, dtype), (rpath, rshape, rdtype) = diff
+      details.append(f"rank {rank} leaf {path} {shape} {dtype} vs rank {root} leaf {rpath}"
+                     f" {rshape} {rdtype}")
+  raise ValueError(
+      f"{caller}: every rank must pass a tree with the same structure, shapes and dtypes;"
+      f" the tree of rank(s) {differing} differs from rank {root}'s: {'; '.join(details)}."
+      " Build the tree the same way on every rank (the same model, input shapes and"
+      " metrics) before the call; nothing was exchanged.")
+
+
+def is_number(dtype: Any) -> bool:
+  """Whether host collectives can sum values of `dtype` (booleans count, as 0 and 1)."""
+  dtype = np.dtype(dtype)
+  return dtype == np.bool_ or bool(jnp.issubdtype(dtype, jnp.number))
+
+
+def check_numbers(tree: Any, caller: str, *, floats_only: bool = False) -> None:
+  """Raises `TypeError` naming the first leaf of `tree` that is not a number (or, with
+  `floats_only`, not a real float). Call it after `check_same_tree`, so that every rank
+  raises.
+
+  Example:
+    >>> check_numbers({"name": np.asarray("resnet")}, "allreduce_metrics")
+    Traceback (most recent call last):
+    TypeError: allreduce_metrics: leaf ['name'] has dtype <U6; expected numbers ...
+  """
+  for path, leaf in zip(leaf_paths(tree), jax.tree_util.tree_leaves(tree)):
+    dtype = np.asarray(leaf).dtype
+    ok = jnp.issubdtype(dtype, jnp.floating) if floats_only else is_number(dtype)
+    if not ok:
+      expected = "real floating-point values" if floats_only else "numbers (sums and counts)"
+      raise TypeError(
+          f"{caller}: leaf {path} has dtype {dtype}; expected {expected}. Convert or drop"
+          " such leaves before reducing.")
+
+
+def fuse(arrays: Sequence[np.ndarray], dtype: Any = None) -> np.ndarray:
+  """A new 1-D buffer: the arrays raveled, cast to `dtype` (default: the first one's), end
+  to end. The inverse of `split`.
+
+  Example:
+    >>> fuse([np.ones((2, 2)), np.zeros(3, np.int32)], np.float64).shape
+    (7,)
+  """
+  dtype = np.asarray(arrays[0]).dtype if dtype is None else np.dtype(dtype)
+  return np.concatenate([np.asarray(a, dtype).ravel() for a in arrays])
+
+
+def split(buf: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]:
+  """Views of `buf` with the shapes of `like` (in `buf`'s dtype): the inverse of `fuse`.
+
+  Example:
+    >>> [x.shape for x in split(np.arange(7.0), [np.ones((2, 2)), np.zeros(3)])]
+    [(2, 2), (3,)]
+  """
+  out, offset = [], 0
+  for a in like:
+    size = int(np.size(a))
+    out.append(buf[offset:offset + size].reshape(np.shape(a)))
+    offset += size
+  return out
+
+
+def reduce_arrays(arrays: Sequence[np.ndarray], comm: Communicator,
+                  op: MPI.Op = MPI.SUM) -> list[np.ndarray]:
+  """The reduction (`op`) over ranks of every array, in its own dtype: one fused buffer
+  and one MPI call per dtype, in first-appearance order. Collective; no checks (every rank
+  must pass the same shapes and dtypes: see `check_same_tree`). The inputs are not changed.
+
+  Example:
+    >>> ones, counts = reduce_arrays([np.ones(3), np.arange(2)], comm)
+    >>> ones.tolist() == [comm.size] * 3, counts.dtype
+    (True, dtype('int64'))
+  """
+  if comm.size == 1:
+    return [np.array(a) for a in arrays]
+  out: list[Any] = [None] * len(arrays)
+  for group in group_by_dtype([a.dtype for a in arrays], key=lambda dtype: dtype):
+    members = [arrays[i] for i in group.positions]
+    buf = fuse(members, group.dtype)
+    comm.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=op)
+    for i, piece in zip(group.positions, split(buf, members)):
+      out[i] = piece
+  return out
+
+
+def _sum_dtype(dtype: np.dtype) -> np.dtype:
+  """Exact host sums: integers and booleans in int64, floats in float64, complex in
+  complex128; anything else stays itself (and `check_numbers` refuses it)."""
+  if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer):
+    return np.dtype(np.int64)
+  if jnp.issubdtype(dtype, jnp.number):
+    return np.result_type(dtype, np.float64)
+  return dtype
+
+
+def allreduce(tree: Any, comm: Communicator, *, caller: str = "allreduce",
+              floats_only: bool = False) -> Any:
+  """The sum over all ranks of every leaf of `tree`, exactly: integers and booleans as
+  int64, floats as float64 (16-bit ones too), complex as complex128.
+
+  Host-level and collective: call it on every rank, outside `jax.jit`. The structure,
+  shapes and kinds of the leaves are checked on every rank first (`check_same_tree`), then
+  that they are numbers (`check_numbers`).
+
+  Args:
+    tree: pytree of scalars or arrays (jax arrays are fetched to the host).
+    comm: the `Communicator`.
+    caller: the public function on whose behalf it runs, for the messages.
+    floats_only: refuse leaves that are not real floats.
+
+  Returns:
+    The same structure holding numpy arrays (0-d for scalars) of the global sums.
+
+  Example:
+    >>> totals = allreduce({"n": True, "x": np.ones(2, np.float32)}, comm)
+    >>> int(totals["n"]) == comm.size, totals["n"].dtype, totals["x"].dtype
+    (True, dtype('int64'), dtype('float64'))
+  """
+  check_communicator(comm, caller)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  arrays = [np.asarray(leaf) for leaf in leaves]
+  arrays = [a.astype(_sum_dtype(a.dtype), copy=False) for a in arrays]
+  as_summed = jax.tree_util.tree_unflatten(treedef, arrays)
+  check_same_tree(as_summed, comm, caller)
+  check_numbers(jax.tree_util.tree_unflatten(treedef, leaves), caller, floats_only=floats_only)
+  return jax.tree_util.tree_unflatten(treedef, reduce_arrays(arrays, comm))
 
 
 def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
@@ -45,8 +269,10 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
-    >>> params = model.init(jax.random.key(comm.rank), x)   # different on every rank...
-    >>> params = mnjax.broadcast(params, comm, root=0)      # ...now identical
+    >>> params = {"w": jnp.full(3, float(comm.rank))}   # e.g. model.init(key of each rank)
+    >>> params = mnjax.broadcast(params, comm, root=0)  # rank 0's values, on every rank
+    >>> params["w"].tolist()
+    [0.0, 0.0, 0.0]
   """
   check_communicator(comm, "broadcast")
   if not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
@@ -58,50 +284,43 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
     return tree
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   arrays = [np.asarray(leaf) for leaf in leaves]
-  mpi = comm.mpi_comm
-
-  mine = _signature(tree, arrays)
-  theirs = mpi.bcast(mine, root=root)
-  mismatch = mpi.allreduce(int(mine != theirs), op=MPI.MAX)
-  if mismatch:
-    raise ValueError(_describe_mismatch(mpi, mine, root))
-
+  check_same_tree(jax.tree_util.tree_unflatten(treedef, arrays), comm, "broadcast", root=root)
   out: list[Any] = list(arrays)
   # Host transfers move raw bytes, so every numpy dtype travels as itself.
   for group in group_by_dtype([a.dtype for a in arrays], key=lambda dtype: dtype):
-    buf = (
-        np.concatenate([arrays[i].ravel() for i in group.positions])
-        if comm.rank == root
-        else np.empty(sum(arrays[i].size for i in group.positions), group.dtype)
-    )
-    mpi.Bcast(buf.view(np.uint8), root=root)  # raw bytes: also bfloat16, bool, ...
-    offset = 0
-    for i in group.positions:
-      out[i] = buf[offset:offset + arrays[i].size].reshape(arrays[i].shape)
-      offset += arrays[i].size
+    members = [arrays[i] for i in group.positions]
+    buf = (fuse(members) if comm.rank == root
+           else np.empty(sum(a.size for a in members), group.dtype))
+    comm.mpi_comm.Bcast(buf.view(np.uint8), root=root)  # raw bytes: also bfloat16, bool, ...
+    for i, piece in zip(group.positions, split(buf, members)):
+      out[i] = piece
   out = [jnp.asarray(o) if isinstance(leaf, jax.Array) else o for o, leaf in zip(out, leaves)]
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _describe_mismatch(mpi: MPI.Intracomm, mine: tuple, root: int) -> str:
-  """The same message on every rank: which ranks differ from the root, at which leaf."""
-  everyone = mpi.allgather(mine)
-  ref = everyone[root]
-  details = []
-  for rank, sig in enumerate(everyone):
-    if sig == ref:
-      continue
-    if len(sig) != len(ref):
-      details.append(f"rank {rank} has {len(sig)} leaves, rank {root} has {len(ref)}")
-    diff = next(((s, r) for s, r in zip(sig, ref) if s != r), None)
-    if diff is not None:
-      (path, shape, dtype), (rpath, rshape, rdtype) = diff
-      details.append(
-          f"rank {rank} leaf {path} {shape} {dtype} vs rank {root} leaf {rpath}"
-          f" {rshape} {rdtype}"
-      )
-  return (
-      "broadcast: every rank must pass a tree with the same structure, shapes and dtypes"
-      f" as root rank {root}; differences: " + "; ".join(details) + ". Build the tree the"
-      " same way on every rank (the same model and input shapes) before broadcasting."
-  )
+def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
+  """The mean over ranks of every leaf of `tree` (ChainerMN's ``AllreducePersistent``).
+
+  For running statistics of per-rank ``nn.BatchNorm`` layers (which drift apart across
+  ranks): call it on the ``batch_stats`` collection before evaluating or saving, so every
+  rank holds the same averaged statistics. Host-level and collective (call on every rank);
+  the tree's structure, shapes and dtypes are checked on every rank first, and a mismatch
+  raises the same error everywhere. Sums run in float64; each leaf keeps its dtype, and jax
+  arrays come back as jax arrays.
+
+  Example:
+    >>> stats = {"mean": jnp.full(2, float(comm.rank))}  # e.g. state.batch_stats, per rank
+    >>> stats = mnjax.allreduce_persistent(stats, comm)  # before evaluating or saving
+    >>> stats["mean"].tolist() == [(comm.size - 1) / 2] * 2
+    True
+  """
+  check_communicator(comm, "allreduce_persistent")
+  totals = allreduce(tree, comm, caller="allreduce_persistent", floats_only=True)
+  if comm.size == 1:
+    return tree
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  out = []
+  for leaf, total in zip(leaves, jax.tree_util.tree_leaves(totals)):
+    mean = (total / comm.size).astype(np.asarray(leaf).dtype)
+    out.append(jnp.asarray(mean) if isinstance(leaf, jax.Array) else mean)
+  return jax.tree_util.tree_unflatten(treedef, out)

@@ -25,6 +25,11 @@ effect used to guarantee is guaranteed instead by construction:
   communicator from in-step traffic (see `Communicator.device_comm`), so a host collective
   issued while a step is still running asynchronously can never be matched with it.
 
+This is also the one place that maps numpy dtypes to MPI datatypes (`mpi_datatype`) and
+knows which ones MPI cannot sum (`NO_MPI_DATATYPE`, `sum_dtype`); `mnjax.comm._collectives`
+and `mnjax.comm._wire` build on it. (Host collectives hand numpy buffers to mpi4py, which
+types them itself: `mnjax.comm._host`.)
+
 The GPU path depends on mpi4jax's FFI handler names and attributes, pinned in
 pyproject.toml (mpi4jax==0.9.1.post2), and on its CUDA extension and copy mode, which
 `mnjax.comm._cuda_mpi` checks and sets explicitly.
@@ -40,14 +45,21 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import ad, mlir
-from mpi4jax._src.jax_compat import abstract_token
-from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
 from mpi4py import MPI
 
 from mnjax.comm import _cuda_mpi as cuda_mpi
 from mnjax.comm import _native as native
+from mnjax.comm._compat import abstract_token, to_dtype_handle, to_mpi_handle
 
-__all__ = ["allgather", "allreduce_sum", "alltoall"]
+__all__ = [
+    "NO_MPI_DATATYPE", "after_operand", "allgather", "allreduce_sum", "alltoall",
+    "mpi_datatype", "sum_dtype",
+]
+
+#: The numpy dtypes MPI has no datatype for: the 16-bit floats. They move as their raw
+#: 16-bit words (`mpi_datatype`; fine for alltoall/allgather, which only move bits) and are
+#: summed as float32 (`sum_dtype`), never by MPI in 16 bits.
+NO_MPI_DATATYPE: tuple[np.dtype, ...] = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 _registered = False
 
@@ -64,8 +76,34 @@ def _handle(comm: MPI.Comm) -> int:
   return int(to_mpi_handle(comm))
 
 
-def _after(after):
+def after_operand(after):
+  """`after` as an array operand (of a collective, or of the cond/switch around one): the
+  first collective of a computation has none and gets a uint8 zero."""
   return jnp.zeros((), jnp.uint8) if after is None else after
+
+
+def mpi_datatype(dtype) -> np.int64:
+  """The MPI datatype handle a buffer of `dtype` moves as (the one dtype-to-MPI mapping of
+  the package). 16-bit floats have none (`NO_MPI_DATATYPE`): they travel as uint16 words.
+
+  Example:
+    >>> bool(mpi_datatype(jnp.bfloat16) == mpi_datatype(jnp.uint16))
+    True
+  """
+  if np.dtype(dtype) in NO_MPI_DATATYPE:
+    return np.int64(to_mpi_handle(MPI.UINT16_T))
+  return np.int64(to_dtype_handle(dtype))
+
+
+def sum_dtype(dtype) -> np.dtype:
+  """The dtype MPI sums a buffer of `dtype` in: float32 for the 16-bit floats, else itself.
+
+  Example:
+    >>> sum_dtype(jnp.bfloat16), sum_dtype(jnp.float64)
+    (dtype('float32'), dtype('float64'))
+  """
+  dtype = np.dtype(dtype)
+  return np.dtype(np.float32) if dtype in NO_MPI_DATATYPE else dtype
 
 
 def allreduce_sum(x, comm: MPI.Intracomm, after=None):
@@ -75,9 +113,11 @@ def allreduce_sum(x, comm: MPI.Intracomm, after=None):
   every rank issues its collectives in one order.
 
   Example:
-    >>> jax.jit(lambda v: allreduce_sum(v, comm.device_comm))(jnp.ones(3))  # size 2: [2, 2, 2]
+    >>> total = jax.jit(lambda v: allreduce_sum(v, comm.device_comm))(jnp.ones(3))
+    >>> total.tolist() == [comm.size] * 3
+    True
   """
-  return _allreduce_p.bind(x, _after(after), comm_handle=_handle(comm))
+  return _allreduce_p.bind(x, after_operand(after), comm_handle=_handle(comm))
 
 
 def alltoall(x, comm: MPI.Intracomm, after=None):
@@ -87,36 +127,31 @@ def alltoall(x, comm: MPI.Intracomm, after=None):
   floats). `after` as in `allreduce_sum`.
 
   Example:
-    >>> jax.jit(lambda v: alltoall(v, comm.device_comm))(jnp.arange(2)[:, None] + 10 * rank)
+    >>> x = 10.0 * jnp.arange(comm.size)[:, None] + comm.rank   # row j goes to rank j
+    >>> got = jax.jit(lambda v: alltoall(v, comm.device_comm))(x)
+    >>> got[:, 0].tolist() == [10.0 * comm.rank + j for j in range(comm.size)]
+    True
   """
   if x.ndim == 0 or x.shape[0] != comm.Get_size():
     raise ValueError(
         f"alltoall: the leading axis must have one row per rank ({comm.Get_size()}), got"
         f" shape {x.shape}."
     )
-  return _alltoall_p.bind(x, _after(after), comm_handle=_handle(comm))
+  return _alltoall_p.bind(x, after_operand(after), comm_handle=_handle(comm))
 
 
 def allgather(x, comm: MPI.Intracomm, after=None):
   """Every rank's `x` stacked on a new leading axis of size ``comm.size``.
 
   Example:
-    >>> jax.jit(lambda v: allgather(v, comm.device_comm))(jnp.full(3, rank)).shape
-    (2, 3)
+    >>> jax.jit(lambda v: allgather(v, comm.device_comm))(jnp.full(3, comm.rank)).shape
+    (1, 3)
   """
-  return _allgather_p.bind(x, _after(after), comm_handle=_handle(comm), size=comm.Get_size())
+  return _allgather_p.bind(x, after_operand(after), comm_handle=_handle(comm), size=comm.Get_size())
 
 
 def _count(aval) -> np.int64:
   return np.int64(np.prod(aval.shape, dtype=np.int64))
-
-
-def _dtype(aval) -> np.int64:
-  """The MPI datatype for a moved buffer. 16-bit floats have none: they travel as their raw
-  16-bit words (fine for alltoall/allgather, which only move bits; never for allreduce)."""
-  if aval.dtype in (jnp.bfloat16, jnp.float16):
-    return np.int64(to_mpi_handle(MPI.UINT16_T))
-  return np.int64(to_dtype_handle(aval.dtype))
 
 
 def _cpu(target, attrs, aliases=None):
@@ -124,7 +159,8 @@ def _cpu(target, attrs, aliases=None):
   def rule(ctx, x, after, **params):
     _register_native()
     kw = {"operand_output_aliases": aliases} if aliases else {}
-    return ffi.ffi_lowering(target, has_side_effect=True, **kw)(ctx, x, after, **attrs(ctx, **params))
+    lowering = ffi.ffi_lowering(target, has_side_effect=True, **kw)
+    return lowering(ctx, x, after, **attrs(ctx, **params))
   return rule
 
 
@@ -179,7 +215,7 @@ def _gpu_backend() -> bool:
 def _allreduce_attrs(ctx, *, comm_handle):
   aval = ctx.avals_in[0]
   return dict(count=_count(aval), op=np.int64(to_mpi_handle(MPI.SUM)),
-              comm=np.int64(comm_handle), dtype=_dtype(aval))
+              comm=np.int64(comm_handle), dtype=mpi_datatype(aval.dtype))
 
 
 def _mpi4jax_allreduce_attrs(ctx, *, comm_handle):
@@ -190,13 +226,13 @@ def _mpi4jax_allreduce_attrs(ctx, *, comm_handle):
 def _alltoall_attrs(ctx, *, comm_handle):
   aval = ctx.avals_in[0]
   return dict(count=np.int64(_count(aval) // aval.shape[0]), comm=np.int64(comm_handle),
-              dtype=_dtype(aval))
+              dtype=mpi_datatype(aval.dtype))
 
 
 def _allgather_attrs(ctx, *, comm_handle, size):
   del size
   aval = ctx.avals_in[0]
-  return dict(count=_count(aval), comm=np.int64(comm_handle), dtype=_dtype(aval))
+  return dict(count=_count(aval), comm=np.int64(comm_handle), dtype=mpi_datatype(aval.dtype))
 
 
 def _mpi4jax_pairwise_attrs(attrs):

@@ -1,25 +1,49 @@
-"""Layer 3 — data: which examples each rank reads, and reading them.
+"""Layer 3 — data: one path from a named dataset to each replica's examples.
 
-* Sharding (ChainerMN's names): `scatter_index` / `scatter_dataset` give each rank its part
-  of a dataset; `epoch_batches` yields an epoch's global batches in one global-batch-major
-  order, so a result does not depend on how replicas group into processes.
-* Sources: `open_source` opens a named dataset (the embedded digits, tensorflow-datasets'
-  ImageNet, CIFAR, ... or a synthetic stand-in) as a uint8 `Source`; `load` / `load_digits`
-  return float `Split`s for the small jobs.
+* Sources (`open_source`): the one registry of datasets by name — the digits scikit-learn
+  ships (offline), tensorflow-datasets' MNIST, CIFAR-10 and ImageNet (prepared ArrayRecord,
+  never downloaded), and a synthetic stand-in — each a random-access uint8 `Source`. The
+  small jobs hold a split in memory as a float32 `Split`: `load(name, split)` (or
+  `load_digits(split)`) is `as_split` of the `Source`, not a second loader.
+* Order: `global_batch_slices` is the one definition of the training order — each global
+  batch a consecutive chunk of the epoch's permutation, process ``r`` its ``r``-th slice,
+  the process's devices that slice in order — so a step's examples, and which replica sees
+  each, do not depend on how replicas group into processes (4 x 1 trains like 2 x 2).
+  `epoch_batches` (arrays in memory) and `Loader` (a `Source`) both use it.
 * `Loader`: a rank's shuffled, augmented, prefetched batches of a `Source`.
+* ChainerMN's sharding, kept as its API: `scatter_index` / `scatter_dataset` give each rank
+  one contiguous block of the permutation (what a rank holds, not how to cut batches).
 * `augment`: the standard image augmentations, as pure functions of a key.
 
 Example::
 
-    index = mnjax.data.scatter_index(60_000, comm, shuffle=True, seed=0, epoch=3)
+    train = mnjax.data.load("digits", "train")
+    for idx, _ in mnjax.data.epoch_batches(len(train), comm, 64, shuffle=True, epoch=3):
+      state, metrics = step(state, train.images[idx], train.labels[idx])
 """
 
 from mnjax.data import augment
-from mnjax.data._datasets import DATASETS, Split, load, load_digits
 from mnjax.data._loader import Batch, Loader
 from mnjax.data._sharding import (
-    SubDataset, epoch_batches, local_batch_size, scatter_dataset, scatter_index)
-from mnjax.data._sources import SOURCES, SYNTHETIC_SIZE, TFDS_NAMES, Source, open_source
+    SubDataset,
+    epoch_batches,
+    global_batch_slices,
+    local_batch_size,
+    scatter_dataset,
+    scatter_index,
+)
+from mnjax.data._sources import (
+    DATASETS,
+    SOURCES,
+    SYNTHETIC_SIZE,
+    TFDS_NAMES,
+    Source,
+    Split,
+    as_split,
+    load,
+    load_digits,
+    open_source,
+)
 
 __all__ = [
     "DATASETS",
@@ -31,8 +55,10 @@ __all__ = [
     "Source",
     "Split",
     "SubDataset",
+    "as_split",
     "augment",
     "epoch_batches",
+    "global_batch_slices",
     "load",
     "load_digits",
     "local_batch_size",

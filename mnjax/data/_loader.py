@@ -1,17 +1,20 @@
 """This rank's batches of a random-access source, prepared in the background.
 
-`Loader` shards a `mnjax.data.Source` with `mnjax.scatter_index` (ChainerMN's contiguous
-block per rank of a permutation drawn from ``(seed, epoch)``), reads and preprocesses the
-examples in a pool of worker threads (reading ArrayRecord, decoding JPEG and resizing with
-Pillow release the GIL) and keeps ``prefetch`` batches ready in a queue, so the device is fed
-while the previous step runs. ``loader.wait_seconds`` is the time the training loop spent
-waiting for input: near zero means input is not the bottleneck.
+`Loader` cuts an epoch of a `mnjax.data.Source` into global batches exactly as
+`mnjax.epoch_batches` does (both call the same function: each global batch a consecutive
+chunk of a permutation drawn from ``(seed, epoch)``, process ``r`` its ``r``-th slice, its
+local devices that slice in order), so an ImageNet run and the main job shard alike and a
+step's examples do not depend on how replicas group into processes. It reads and
+preprocesses the examples in a pool of worker threads (reading ArrayRecord, decoding JPEG
+and resizing with Pillow release the GIL) and keeps ``prefetch`` batches ready in a queue,
+so the device is fed while the previous step runs. ``loader.wait_seconds`` is the time the
+training loop spent waiting for input: near zero means input is not the bottleneck.
 
-Training (``train=True``): shards of equal length (``force_equal_length``), full batches
-only, so every rank runs the same number of steps (a rank that stopped early would leave the
-others waiting in the allreduce). Evaluation: an exact partition (every example exactly once
-over all ranks), the last batch padded and masked; ranks may run one step more or less,
-which is fine for steps without collectives.
+Training (``train=True``): shuffled, full global batches only (the epoch's last
+``n mod global batch`` examples of the permutation wait for a later epoch). Evaluation: the
+dataset in order, the last global batch padded and masked, so every example counts exactly
+once over all ranks. Either way every rank runs the same number of steps (a rank that
+stopped early would leave the others waiting in a collective).
 
 Each example's augmentation draws from ``np.random.default_rng([seed, epoch, index])``: the
 same on any rank, any number of workers, any run.
@@ -24,12 +27,13 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from mnjax.data._sharding import scatter_index
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.data._sharding import _slices
 
 __all__ = ["Batch", "Loader"]
 
@@ -50,58 +54,67 @@ class Loader:
   Args:
     source: random access, ``len(source)`` and ``source[i] -> (uint8 image, label)``.
     comm: the `Communicator`.
-    batch_size: examples per step on this process (`mnjax.local_batch_size`).
+    batch_size: examples per step on this process (`mnjax.local_batch_size` of the global
+      batch, which is ``batch_size * comm.size``); a multiple of ``comm.local_device_count``.
     transform: ``transform(image, rng) -> float32 array`` of one fixed shape
       (`mnjax.data.augment.transforms`).
-    train: shuffle, equal-length shards, full batches only (else: exact, padded, masked).
+    train: shuffle, full global batches only (else: in order, padded, masked).
     seed: seed of the permutation and of the augmentation.
     prefetch: batches kept ready ahead of the training loop.
     workers: preprocessing threads (default: the CPUs this process may use, at most 16).
 
   Example:
-    >>> train_fn, _ = mnjax.data.augment.transforms("cifar10")
-    >>> loader = Loader(source, comm, 128, train_fn, train=True, seed=0)
-    >>> for batch in loader.epoch(epoch):
-    ...   state, metrics = step(state, batch.images, batch.labels)
+    >>> source = mnjax.data.open_source("synthetic", "train", image_size=8, synthetic_size=64)
+    >>> train_fn, _ = mnjax.data.augment.transforms("synthetic", image_size=8)
+    >>> loader = mnjax.data.Loader(source, comm, 16 // comm.size, train_fn, train=True)
+    >>> for batch in loader.epoch(0):
+    ...   images, labels = batch.images, batch.labels  # state, metrics = step(state, ...)
+    >>> loader.steps(), images.shape[1:]
+    (4, (8, 8, 3))
   """
 
   def __init__(self, source: Any, comm: Communicator, batch_size: int,
                transform: Callable[[np.ndarray, np.random.Generator], np.ndarray], *,
                train: bool, seed: int = 0, prefetch: int = 2, workers: int | None = None):
     check_communicator(comm, "Loader")
-    if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-      raise ValueError(f"Loader: batch_size must be a positive int, got {batch_size!r}.")
+    if (not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool)
+        or batch_size <= 0 or batch_size % comm.local_device_count):
+      raise ValueError(
+          f"Loader: batch_size (examples per step on this process) must be a positive"
+          f" multiple of the {comm.local_device_count} local device(s), got {batch_size!r};"
+          " pass mnjax.local_batch_size(global_batch_size, comm).")
     if prefetch < 1:
       raise ValueError(f"Loader: prefetch must be >= 1, got {prefetch!r}.")
     self.source, self.comm, self.batch_size = source, comm, int(batch_size)
+    self.global_batch_size = self.batch_size * comm.size
     self.transform, self.train, self.seed, self.prefetch = transform, train, seed, prefetch
     self.workers = workers or max(1, min(16, len(os.sched_getaffinity(0))))
     self.wait_seconds = 0.0  # time the consumer spent blocked on input, all epochs
-    shard = len(self.indices(0)[0])
-    if train and shard < self.batch_size:
-      raise ValueError(
-          f"Loader: this rank's shard has {shard} examples, fewer than one batch of"
-          f" {self.batch_size}; use a smaller global batch or fewer ranks.")
+    self._plan(0)  # fails here, on every rank, if the source has no full global batch
+
+  def _plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices, mask)`` of shape ``(steps, batch_size)``: this rank's slice per step."""
+    return _slices(len(self.source), self.global_batch_size, self.comm.rank, self.comm.size,
+                   shuffle=self.train, seed=self.seed, epoch=epoch,
+                   drop_remainder=self.train, caller="Loader")
 
   def indices(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's ``(indices, mask)`` for `epoch`, in reading order."""
-    return scatter_index(len(self.source), self.comm, shuffle=self.train, seed=self.seed,
-                         epoch=epoch, force_equal_length=self.train, return_mask=True)
+    """This rank's ``(indices, mask)`` for `epoch`, in reading order (padding masked False).
+
+    Example:
+      >>> source = mnjax.data.open_source("digits", "test")
+      >>> loader = mnjax.data.Loader(source, comm, 8, lambda image, rng: image, train=False)
+      >>> indices, mask = loader.indices(0)  # one process: 45 batches of 8, the last padded
+      >>> len(indices), int(mask.sum())
+      (360, 359)
+    """
+    indices, mask = self._plan(epoch)
+    return indices.reshape(-1), mask.reshape(-1)
 
   def steps(self, epoch: int = 0) -> int:
-    """Steps this rank runs in `epoch` (the same on every rank when training)."""
-    n = len(self.indices(epoch)[0])
-    return n // self.batch_size if self.train else -(-n // self.batch_size)
-
-  def _plan(self, epoch: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    indices, mask = self.indices(epoch)
-    steps = self.steps(epoch)
-    pad = steps * self.batch_size - len(indices)
-    if pad > 0:  # evaluation: the last batch is padded with masked copies
-      indices = np.concatenate([indices, np.full(pad, indices[0])])
-      mask = np.concatenate([mask, np.zeros(pad, bool)])
-    b = self.batch_size
-    return [(indices[s * b:(s + 1) * b], mask[s * b:(s + 1) * b]) for s in range(steps)]
+    """Steps every rank runs in `epoch`: full global batches (training), or all of them with
+    the last one padded (evaluation)."""
+    return len(self._plan(epoch)[0])
 
   def _example(self, epoch: int, index: int) -> tuple[np.ndarray, int]:
     image, label = self.source[index]
@@ -114,9 +127,10 @@ class Loader:
     ``start`` skips the epoch's first batches without reading them: resuming mid-epoch
     from a checkpoint yields exactly the batches the interrupted run had not reached.
     """
-    if not 0 <= start <= self.steps(epoch):
-      raise ValueError(f"Loader.epoch: start must be in [0, {self.steps(epoch)}], got {start}.")
-    plan = self._plan(epoch)[start:]
+    plan = list(zip(*self._plan(epoch)))
+    if not 0 <= start <= len(plan):
+      raise ValueError(f"Loader.epoch: start must be in [0, {len(plan)}], got {start}.")
+    plan = plan[start:]
     ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
     stop = threading.Event()
 
@@ -142,9 +156,9 @@ class Loader:
     thread.start()
     try:
       for _ in plan:
-        start = time.perf_counter()
+        began = time.perf_counter()
         item = ready.get()
-        self.wait_seconds += time.perf_counter() - start
+        self.wait_seconds += time.perf_counter() - began
         if isinstance(item, BaseException):
           raise RuntimeError(f"Loader: preparing a batch of epoch {epoch} failed on rank"
                              f" {self.comm.rank}: {item}") from item

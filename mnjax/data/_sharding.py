@@ -1,17 +1,32 @@
-"""Data sharding: which examples this rank sees, and in what order (ChainerMN's scatter).
+"""Data sharding: which examples each rank reads, and in what order.
 
-Every rank computes the same global permutation from ``(seed, epoch)`` — no communication
-— and takes its own contiguous block of it. With ``force_equal_length=True`` (ChainerMN's
-default) every rank gets ``ceil(n / size)`` indices: the short blocks are padded with the
-next examples of the permutation, so a few examples are seen twice per epoch but every
-rank runs the same number of steps (a rank that runs one step fewer would hang the others
-in the allreduce). The padding is reported by ``return_mask=True`` so that evaluation can
-weight duplicates 0 and stay exact (see `mnjax.train._metrics`).
+Every rank computes the same permutation of the dataset from ``(seed, epoch)`` — no
+communication — and takes its part of it. There are two ways to take a part:
+
+* `epoch_batches` / `global_batch_slices` — **the training order**, used by the main job
+  (`epoch_batches`) and by `mnjax.data.Loader` alike. Each *global* batch is a consecutive
+  chunk of the permutation; process ``r`` of ``size`` takes the ``r``-th slice of it and its
+  local devices split that slice in order. So replica ``j = r * devices + d`` sees the same
+  examples whatever the grouping: 4 processes x 1 device, 2 x 2 and 1 x 4 train alike, and
+  all equal one process on the global batch.
+* `scatter_index` / `scatter_dataset` — ChainerMN's API, kept as it is: each rank gets one
+  contiguous block of the permutation (with ``force_equal_length``, ChainerMN's default,
+  ``ceil(n / size)`` indices, the short blocks padded with the next examples so that every
+  rank runs the same number of steps; ``return_mask=True`` marks the padding so that an
+  evaluation can weight duplicates 0). A rank's block depends on ``size``, so batches cut
+  from it change with the grouping: use it to hand each rank its own data, not to cut
+  global batches.
+
+Example:
+  >>> idx, mask = mnjax.data.global_batch_slices(8, 4, rank=1, size=2, shuffle=False)
+  >>> idx.tolist()                     # rank 1's half of global batches [0..3] and [4..7]
+  [[2, 3], [6, 7]]
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -19,21 +34,26 @@ import numpy as np
 from mnjax.comm._communicator import Communicator, check_communicator
 
 __all__ = [
-    "scatter_index",
-    "scatter_dataset",
-    "local_batch_size",
-    "epoch_batches",
     "SubDataset",
+    "epoch_batches",
+    "global_batch_slices",
+    "local_batch_size",
+    "scatter_dataset",
+    "scatter_index",
 ]
 
 
-def _check_n(n: Any, comm: Communicator, caller: str) -> int:
-  if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_n(n: Any, size: int, caller: str) -> int:
+  if not _is_int(n) or n < 0:
     raise TypeError(f"{caller}: the dataset size must be a non-negative int, got {n!r}.")
-  if n < comm.size:
+  if n < size:
     raise ValueError(
-        f"{caller}: a dataset of {n} examples cannot be split over {comm.size} ranks:"
-        f" every rank needs at least one example. Use a dataset with >= {comm.size}"
+        f"{caller}: a dataset of {n} examples cannot be split over {size} ranks:"
+        f" every rank needs at least one example. Use a dataset with >= {size}"
         f" examples or run with at most {max(n, 1)} ranks (mpirun -n {max(n, 1)})."
     )
   return int(n)
@@ -56,11 +76,12 @@ def scatter_index(
     force_equal_length: bool = True,
     return_mask: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-  """This rank's indices into a dataset of `n` examples.
+  """This rank's contiguous block of indices into a dataset of `n` examples (ChainerMN's).
 
   The union over ranks covers ``range(n)``. The order is a permutation drawn from
   ``(seed, epoch)`` when `shuffle`, identical on every rank, so shards change every epoch
-  and are reproducible.
+  and are reproducible. The block depends on ``comm.size``: to cut global batches that do
+  not depend on how replicas group into processes, use `epoch_batches`.
 
   Args:
     n: number of examples (must be >= ``comm.size``).
@@ -76,11 +97,14 @@ def scatter_index(
     int64 indices, or ``(indices, mask)`` when `return_mask`.
 
   Example:
-    >>> idx = mnjax.scatter_index(len(x), comm, shuffle=True, seed=0, epoch=epoch)
+    >>> x, y = np.arange(20).reshape(10, 2), np.arange(10)
+    >>> idx = mnjax.scatter_index(len(x), comm, shuffle=True, seed=0, epoch=3)
     >>> x_local, y_local = x[idx], y[idx]
+    >>> len(idx) == -(-10 // comm.size)
+    True
   """
   check_communicator(comm, "scatter_index")
-  n = _check_n(n, comm, "scatter_index")
+  n = _check_n(n, comm.size, "scatter_index")
   order = _permutation(n, shuffle, seed, epoch)
   begin = n * comm.rank // comm.size
   end = n * (comm.rank + 1) // comm.size
@@ -125,7 +149,10 @@ def scatter_dataset(dataset: Any, comm: Communicator, **kwargs) -> Any:
     The shard, of the same kind: arrays are indexed, other sequences become `SubDataset`.
 
   Example:
+    >>> x, y = np.arange(20).reshape(10, 2), np.arange(10)
     >>> x_local, y_local = mnjax.scatter_dataset((x, y), comm, shuffle=True, seed=0)
+    >>> bool((x_local[:, 0] // 2 == y_local).all())      # rows stay paired
+    True
   """
   check_communicator(comm, "scatter_dataset")
   if kwargs.get("return_mask"):
@@ -152,16 +179,12 @@ def local_batch_size(global_batch_size: int, comm: Communicator) -> int:
   """The per-process batch size for a global batch, checked to split evenly.
 
   Example:
-    >>> mnjax.local_batch_size(128, comm)   # under mpirun -n 4
-    32
+    >>> mnjax.local_batch_size(128, comm) * comm.size    # 32 under mpirun -n 4
+    128
   """
   check_communicator(comm, "local_batch_size")
   replicas = comm.num_replicas
-  if (
-      not isinstance(global_batch_size, (int, np.integer))
-      or isinstance(global_batch_size, bool)
-      or global_batch_size <= 0
-  ):
+  if not _is_int(global_batch_size) or global_batch_size <= 0:
     raise ValueError(
         "local_batch_size: the global batch size must be a positive int, got"
         f" {global_batch_size!r}."
@@ -169,11 +192,83 @@ def local_batch_size(global_batch_size: int, comm: Communicator) -> int:
   if global_batch_size % replicas:
     lo = max(replicas, global_batch_size // replicas * replicas)
     raise ValueError(
-        f"local_batch_size: the global batch size {global_batch_size} is not divisible by the {replicas}"
-        f" replicas ({comm.size} processes x {comm.local_device_count} devices). Use a"
-        f" multiple of {replicas}, e.g. {lo} or {lo + replicas}."
+        f"local_batch_size: the global batch size {global_batch_size} is not divisible by"
+        f" the {replicas} replicas ({comm.size} processes x {comm.local_device_count}"
+        f" devices). Use a multiple of {replicas}, e.g. {lo} or {lo + replicas}."
     )
   return global_batch_size // comm.size
+
+
+def _slices(n: Any, global_batch_size: Any, rank: Any, size: Any, *, shuffle: bool,
+            seed: int, epoch: int, drop_remainder: bool,
+            caller: str) -> tuple[np.ndarray, np.ndarray]:
+  """`global_batch_slices`, with errors that name the public function the user called."""
+  if not _is_int(size) or size < 1 or not _is_int(rank) or not 0 <= rank < size:
+    raise ValueError(
+        f"{caller}: rank and size must be ints with 0 <= rank < size, got rank={rank!r},"
+        f" size={size!r}.")
+  if not _is_int(global_batch_size) or global_batch_size <= 0 or global_batch_size % size:
+    raise ValueError(
+        f"{caller}: the global batch size must be a positive multiple of the {size}"
+        f" processes, got {global_batch_size!r}. Use a multiple of {size}.")
+  n = _check_n(n, size, caller)
+  steps = n // global_batch_size if drop_remainder else -(-n // global_batch_size)
+  if steps == 0:
+    raise ValueError(
+        f"{caller}: {n} examples make no full global batch of {global_batch_size};"
+        " use a smaller global batch size (or fewer ranks), or drop_remainder=False."
+    )
+  per_rank = global_batch_size // size
+  order = _permutation(n, shuffle, seed, epoch)
+  positions = (np.arange(steps)[:, None] * global_batch_size + rank * per_rank
+               + np.arange(per_rank)[None, :])
+  mask = positions < n
+  return np.where(mask, order[np.minimum(positions, n - 1)], 0).astype(np.int64), mask
+
+
+def global_batch_slices(
+    n: int,
+    global_batch_size: int,
+    *,
+    rank: int,
+    size: int,
+    shuffle: bool,
+    seed: int = 0,
+    epoch: int = 0,
+    drop_remainder: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Process `rank` of `size`'s slice of every global batch of an epoch, as arrays.
+
+  The one definition of the training order (`epoch_batches` and `mnjax.data.Loader` both
+  use it): global batch ``s`` is positions ``[s * B, (s + 1) * B)`` of the epoch's
+  permutation (drawn from ``(seed, epoch)`` as in `scatter_index`), and process ``rank``
+  takes its ``rank``-th slice of ``B / size`` examples, which its local devices split in
+  order. Concatenating the slices of ranks ``0 .. size - 1`` gives the global batch, for
+  any `size`: a pure function, so that property can be checked without launching ranks.
+
+  Args:
+    n: number of examples (must be >= `size`).
+    global_batch_size: ``B``, examples per step over all processes (a multiple of `size`).
+    rank: this process's rank, ``0 <= rank < size``.
+    size: number of processes.
+    shuffle: permute the examples (else: dataset order).
+    seed: base seed of the permutation (the same on every rank).
+    epoch: epoch number; a new permutation per epoch.
+    drop_remainder: full global batches only (training). ``False`` (evaluation): the last
+      global batch is padded with index 0, masked False, so that a masked sum over every
+      step of every rank counts each example exactly once, with one static batch shape.
+
+  Returns:
+    ``(indices, mask)``: int64 and bool arrays of shape ``(steps, B // size)``.
+
+  Example:
+    >>> idx, mask = mnjax.data.global_batch_slices(10, 4, rank=0, size=2, shuffle=False,
+    ...                                             drop_remainder=False)
+    >>> idx.tolist(), mask.tolist()
+    ([[0, 1], [4, 5], [8, 9]], [[True, True], [True, True], [True, True]])
+  """
+  return _slices(n, global_batch_size, rank, size, shuffle=shuffle, seed=seed, epoch=epoch,
+                 drop_remainder=drop_remainder, caller="global_batch_slices")
 
 
 def epoch_batches(
@@ -186,14 +281,14 @@ def epoch_batches(
     epoch: int = 0,
     drop_remainder: bool = True,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-  """Yields this process's ``(indices, mask)`` per step; the same step count on every rank.
+  """This process's ``(indices, mask)`` per step; the same step count on every rank.
 
-  Each *global* batch is a consecutive chunk of the epoch's permutation (drawn from
-  ``(seed, epoch)`` as in `scatter_index`), and process ``r`` takes the ``r``-th slice of
-  it (its local devices then split that slice in order). So the examples of every step,
+  The rows of `global_batch_slices` for ``comm.rank`` of ``comm.size``: each global batch
+  is a consecutive chunk of the epoch's permutation and process ``r`` takes its ``r``-th
+  slice (its local devices then split that slice in order). So the examples of every step,
   and the replica that sees each one, do not depend on how the replicas are grouped into
   processes and devices: 4 processes x 1 device and 2 x 2 train identically, and both
-  equal one process on the global batch.
+  equal one process on the global batch. The arguments are checked when it is called.
 
   Training (``drop_remainder=True``): full global batches only. Evaluation
   (``drop_remainder=False``): the last global batch is padded (index 0, mask False), so a
@@ -201,19 +296,14 @@ def epoch_batches(
   batch shape (no recompilation).
 
   Example:
-    >>> for idx, mask in mnjax.epoch_batches(len(x), comm, 128, shuffle=True, epoch=e):
-    ...   state, metrics = step(state, x[idx], y[idx])
+    >>> x, y = np.zeros((100, 8, 8, 1)), np.arange(100)
+    >>> for idx, mask in mnjax.epoch_batches(len(x), comm, 32, shuffle=True, epoch=0):
+    ...   images, labels = x[idx], y[idx]       # then: state, metrics = step(state, ...)
+    >>> images.shape[0] * comm.size
+    32
   """
-  per_rank = local_batch_size(global_batch_size, comm)
-  n = _check_n(n, comm, "epoch_batches")
-  order = _permutation(n, shuffle, seed, epoch)
-  steps = n // global_batch_size if drop_remainder else -(-n // global_batch_size)
-  if steps == 0:
-    raise ValueError(
-        f"epoch_batches: {n} examples make no full global batch of {global_batch_size};"
-        " use a smaller global batch size or pass drop_remainder=False."
-    )
-  for s in range(steps):
-    positions = s * global_batch_size + comm.rank * per_rank + np.arange(per_rank)
-    mask = positions < n
-    yield np.where(mask, order[np.minimum(positions, n - 1)], 0), mask
+  local_batch_size(global_batch_size, comm)  # divisible by every replica, not only processes
+  indices, mask = _slices(n, global_batch_size, comm.rank, comm.size, shuffle=shuffle,
+                          seed=seed, epoch=epoch, drop_remainder=drop_remainder,
+                          caller="epoch_batches")
+  return zip(indices, mask)

@@ -1,9 +1,15 @@
-"""Image classification datasets by name, as random-access sources of ``(image, label)``.
+"""Image classification datasets by name: the one registry, and its in-memory float view.
 
 ``open_source(name, split)`` returns a `Source`: ``len(source)`` and ``source[i]`` (a uint8
 HWC image and an int label), plus ``num_classes``. Random access is what lets every rank read
-only its own shard (`mnjax.scatter_index`) without reading the rest.
+only its own examples (`mnjax.data.Loader`) without reading the rest. Every dataset is opened
+here, and only here:
 
+* ``digits``: the UCI handwritten digits (1,797 grayscale 8x8 images, 10 classes) that
+  scikit-learn ships inside its wheel — a real dataset that needs no download, so the main
+  job and the tests run on any machine. The split is fixed: a stratified 80/20 split drawn
+  with seed 0 (1,438 train, 359 test), identical on every rank and every run. The 17 gray
+  levels (0..16) are stored as uint8 0..255, like every other source.
 * ``mnist``, ``cifar10``, ``imagenet2012``: tensorflow-datasets' ``tfds.data_source``
   (ArrayRecord files, no TensorFlow needed). Prepare a dataset once, on a machine that has
   it (ImageNet needs its archives in ``<data_dir>/downloads/manual``)::
@@ -13,30 +19,55 @@ only its own shard (`mnjax.scatter_index`) without reading the rest.
 
   then pass ``--data_dir /shared/tfds``. Nothing is ever downloaded at run time: a dataset
   that is not prepared raises an error saying the above.
-* ``digits``: the UCI handwritten digits scikit-learn ships (8x8 grayscale), offline.
 * ``synthetic``: ImageNet-shaped random images (1000 classes), generated per index from a
   seed: for throughput runs without data.
+
+The small jobs hold a whole split in memory as floats: `load` (``load_digits`` for short)
+returns a `Split` — float32 NHWC images in [0, 1] and int32 labels — which is `as_split` of
+the `Source`, not a second loader. `DATASETS` names the sources small enough for that.
+
+Example:
+  >>> train = mnjax.data.load("digits", "train")
+  >>> train.images.shape, train.images.dtype, train.num_classes
+  ((1438, 8, 8, 1), dtype('float32'), 10)
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Source", "open_source", "SOURCES", "TFDS_NAMES", "SYNTHETIC_SIZE"]
+__all__ = [
+    "DATASETS",
+    "SOURCES",
+    "SYNTHETIC_SIZE",
+    "TFDS_NAMES",
+    "Source",
+    "Split",
+    "as_split",
+    "load",
+    "load_digits",
+    "open_source",
+]
 
 TFDS_NAMES = ("mnist", "cifar10", "imagenet2012")
 SOURCES = ("digits", "synthetic") + TFDS_NAMES
+#: The sources `load` holds in memory as float32 (the others are for `mnjax.data.Loader`).
+DATASETS = ("digits", "mnist", "cifar10")
 SYNTHETIC_SIZE = {"train": 1_281_167, "test": 50_000}  # ImageNet-1k's train/validation sizes
+_SPLITS = ("train", "test")
 
 
 class Source(NamedTuple):
   """A random-access split: ``examples[i]`` is a dict with ``image`` (uint8 HWC), ``label``.
 
   Example:
-    >>> source = open_source("digits", "train")
+    >>> source = mnjax.data.open_source("digits", "train")
     >>> image, label = source[0]
+    >>> len(source), image.shape, image.dtype
+    (1438, (8, 8, 1), dtype('uint8'))
   """
 
   name: str
@@ -51,21 +82,51 @@ class Source(NamedTuple):
     return np.asarray(example["image"]), int(example["label"])
 
 
-class _Digits(Sequence):
-  """The sklearn digits as uint8 (0..16 scaled to 0..255), 8x8x1."""
+class Split(NamedTuple):
+  """One split held in memory: NHWC float32 images in [0, 1] and int32 labels.
 
-  def __init__(self, split: str):
-    from mnjax.data._datasets import load_digits  # noqa: PLC0415
+  Example:
+    >>> test = mnjax.data.load_digits("test")
+    >>> len(test), test.labels.dtype
+    (359, dtype('int32'))
+  """
 
-    data = load_digits(split)
-    self._images = np.round(data.images * 255).astype(np.uint8)
-    self._labels = data.labels
+  images: np.ndarray
+  labels: np.ndarray
+  num_classes: int
+
+  def __len__(self) -> int:
+    return len(self.labels)
+
+
+class _Arrays(Sequence):
+  """Examples already in memory: uint8 NHWC `images` and int32 `labels`."""
+
+  def __init__(self, images: np.ndarray, labels: np.ndarray):
+    self.images, self.labels = images, labels
 
   def __len__(self):
-    return len(self._labels)
+    return len(self.labels)
 
   def __getitem__(self, i):
-    return {"image": self._images[i], "label": self._labels[i]}
+    return {"image": self.images[i], "label": self.labels[i]}
+
+
+def _digits(split: str) -> _Arrays:
+  """The sklearn digits, stratified 80/20 with seed 0, as uint8 (0..16 scaled to 0..255)."""
+  from sklearn.datasets import load_digits as _sklearn_digits  # noqa: PLC0415 (heavy import)
+
+  raw = _sklearn_digits()
+  labels = raw.target.astype(np.int32)
+  # Stratified split: per class, a seeded permutation; 20% of each class goes to test.
+  rng = np.random.default_rng(0)
+  test = np.zeros(len(labels), bool)
+  for c in range(10):
+    members = rng.permutation(np.flatnonzero(labels == c))
+    test[members[: round(0.2 * len(members))]] = True
+  keep = test if split == "test" else ~test
+  images = np.round(raw.images[keep] * (255 / 16)).astype(np.uint8)[..., None]
+  return _Arrays(images, labels[keep])
 
 
 class _Synthetic(Sequence):
@@ -99,14 +160,15 @@ def open_source(name: str, split: str, *, data_dir: str | None = None,
     seed: seed of the ``synthetic`` images.
 
   Example:
-    >>> source = mnjax.data.open_source("cifar10", "train", data_dir="/data/tfds")
-    >>> len(source), source.num_classes
-    (50000, 10)
+    >>> source = mnjax.data.open_source("synthetic", "train", image_size=32)
+    >>> len(source), source.num_classes, source[0][0].shape
+    (1281167, 1000, (32, 32, 3))
+    >>> cifar = mnjax.data.open_source("cifar10", "train", data_dir="/data/tfds")  # doctest: +SKIP
   """
-  if split not in ("train", "test"):
+  if split not in _SPLITS:
     raise ValueError(f"open_source: split must be 'train' or 'test', got {split!r}.")
   if name == "digits":
-    return Source(name, _Digits(split), 10)
+    return Source(name, _digits(split), 10)
   if name == "synthetic":
     size = SYNTHETIC_SIZE[split] if synthetic_size is None else int(synthetic_size)
     return Source(name, _Synthetic(size, image_size, seed + (split == "test")), 1000)
@@ -137,3 +199,64 @@ def _open_tfds(name: str, split: str, data_dir: str | None) -> Source:
         f" pass --data_dir DIR.{manual} (tfds said: {type(e).__name__}: {str(e)[:300]})") from e
   num_classes = examples.dataset_info.features["label"].num_classes
   return Source(name, examples, int(num_classes))
+
+
+def as_split(source: Source) -> Split:
+  """The whole `source` in memory: float32 NHWC images in [0, 1] (uint8 / 255), int32 labels.
+
+  Reads every example once (in-memory sources without copying them one by one); meant for
+  small datasets (`DATASETS`), not for ImageNet.
+
+  Example:
+    >>> split = mnjax.data.as_split(mnjax.data.open_source("digits", "test"))
+    >>> float(split.images.max()), split.labels[:5].tolist()
+    (1.0, [5, 9, 2, 4, 6])
+  """
+  if not isinstance(source, Source):
+    raise TypeError(f"as_split: expected a mnjax.data.Source (open_source(...)), got"
+                    f" {type(source).__name__}.")
+  if isinstance(source.examples, _Arrays):
+    images, labels = source.examples.images, source.examples.labels
+  else:
+    pairs = [source[i] for i in range(len(source))]
+    images = np.stack([image for image, _ in pairs])
+    labels = np.asarray([label for _, label in pairs])
+  if images.ndim == 3:  # grayscale stored HW: give it its channel
+    images = images[..., None]
+  return Split(images.astype(np.float32) / np.float32(255), labels.astype(np.int32),
+               source.num_classes)
+
+
+def load(name: str, split: str, **options) -> Split:
+  """A dataset split by name, in memory as float32 (`as_split` of `open_source`).
+
+  Args:
+    name: one of `DATASETS` (``digits`` needs nothing; ``mnist``, ``cifar10`` need a
+      prepared tensorflow-datasets ``data_dir``).
+    split: ``"train"`` or ``"test"``.
+    **options: `open_source` options (``data_dir``).
+
+  Example:
+    >>> train = mnjax.data.load("digits", "train")
+    >>> len(train), train.images.shape[1:]
+    (1438, (8, 8, 1))
+  """
+  if name not in DATASETS:
+    hint = (f" {name!r} is too large to hold in memory: read it with"
+            " mnjax.data.open_source and mnjax.data.Loader." if name in SOURCES else "")
+    raise ValueError(
+        f"load: unknown dataset {name!r}; in-memory datasets: {', '.join(DATASETS)}.{hint}")
+  return as_split(open_source(name, split, **options))
+
+
+def load_digits(split: str) -> Split:
+  """``load("digits", split)``: the UCI digits as float32 NHWC in [0, 1]; offline.
+
+  Example:
+    >>> train = mnjax.data.load_digits("train")
+    >>> train.images.shape, train.labels.shape
+    ((1438, 8, 8, 1), (1438,))
+  """
+  if split not in _SPLITS:
+    raise ValueError(f"load_digits: split must be 'train' or 'test', got {split!r}.")
+  return load("digits", split)

@@ -12,18 +12,28 @@ extra), so a loader can run them in worker threads and get the same result for t
 
 Example:
   >>> train, evaluate = mnjax.data.augment.transforms("imagenet2012", image_size=224)
-  >>> x = train(image_uint8, np.random.default_rng(0))     # float32 (224, 224, 3)
+  >>> image_uint8 = np.zeros((300, 400, 3), np.uint8)       # what a Source returns
+  >>> x = train(image_uint8, np.random.default_rng(0))
+  >>> x.shape, x.dtype
+  ((224, 224, 3), dtype('float32'))
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["random_resized_crop", "center_crop", "pad_and_random_crop", "random_flip",
-           "normalize", "transforms", "MEAN_STD"]
+__all__ = [
+    "MEAN_STD",
+    "center_crop",
+    "normalize",
+    "pad_and_random_crop",
+    "random_flip",
+    "random_resized_crop",
+    "transforms",
+]
 
 #: Per-channel mean and standard deviation of the pixel values in [0, 1].
 MEAN_STD = {
@@ -53,6 +63,7 @@ def random_resized_crop(image: np.ndarray, rng: np.random.Generator, size: int,
   """A random crop of `scale` of the area and `ratio` aspect, resized to ``size x size``.
 
   Example:
+    >>> rng = np.random.default_rng(0)
     >>> random_resized_crop(np.zeros((300, 400, 3), np.uint8), rng, 224).shape
     (224, 224, 3)
   """
@@ -89,7 +100,13 @@ def center_crop(image: np.ndarray, size: int, crop_fraction: float = 0.875) -> n
 
 
 def pad_and_random_crop(image: np.ndarray, rng: np.random.Generator, pad: int = 4) -> np.ndarray:
-  """Zero-pad `pad` pixels on each side and crop back to the original size at random."""
+  """Zero-pad `pad` pixels on each side and crop back to the original size at random.
+
+  Example:
+    >>> image = np.ones((32, 32, 3), np.uint8)
+    >>> pad_and_random_crop(image, np.random.default_rng(0)).shape
+    (32, 32, 3)
+  """
   height, width = image.shape[:2]
   padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
   top, left = rng.integers(0, 2 * pad + 1, size=2)
@@ -97,12 +114,23 @@ def pad_and_random_crop(image: np.ndarray, rng: np.random.Generator, pad: int = 
 
 
 def random_flip(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-  """Mirror left-right with probability 1/2."""
+  """Mirror left-right with probability 1/2.
+
+  Example:
+    >>> image = np.arange(6, dtype=np.uint8).reshape(1, 2, 3)
+    >>> random_flip(image, np.random.default_rng(0)).shape
+    (1, 2, 3)
+  """
   return image[:, ::-1] if rng.random() < 0.5 else image
 
 
 def normalize(image: np.ndarray, name: str) -> np.ndarray:
-  """uint8 pixels to float32, standardised with the dataset's `MEAN_STD`."""
+  """uint8 pixels to float32, standardised with the dataset's `MEAN_STD`.
+
+  Example:
+    >>> round(float(normalize(np.full((2, 2, 1), 255, np.uint8), "mnist").max()), 3)
+    2.821
+  """
   mean, std = MEAN_STD[name]
   return ((image.astype(np.float32) / 255.0 - np.asarray(mean, np.float32))
           / np.asarray(std, np.float32))
@@ -116,6 +144,12 @@ def transforms(name: str, image_size: int | None = None) -> tuple[Transform, Tra
     name: a dataset of `mnjax.data.SOURCES`.
     image_size: output side for ``imagenet2012`` and ``synthetic`` (default 224); the
       small datasets keep their own size.
+
+  Example:
+    >>> train, evaluate = transforms("cifar10")
+    >>> image = np.zeros((32, 32, 3), np.uint8)
+    >>> train(image, np.random.default_rng(0)).shape, evaluate(image, None).dtype
+    ((32, 32, 3), dtype('float32'))
   """
   if name not in MEAN_STD:
     raise ValueError(f"transforms: no preprocessing for {name!r}; known: {sorted(MEAN_STD)}.")

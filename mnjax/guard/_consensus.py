@@ -8,19 +8,21 @@ apart silently — the loss still falls. Like Megatron's periodic parameter-hash
 and compares the fingerprints across ranks with one small host allgather; a mismatch
 raises the same error on every rank, naming the leaves and the ranks that differ.
 
-Cost: one BLAKE2b pass over the parameters on the host (~1 GB/s) and an allgather of 8
-bytes per leaf and device. Run it every few hundred steps, not every step.
+The digests and their comparison are `mnjax.comm._digest`'s (checkpoints verify their
+bytes with the same ones). Cost: one BLAKE2b pass over the parameters on the host (~1 GB/s)
+and an allgather of 8 bytes per leaf and device. Run it every few hundred steps, not every
+step.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import jax
 import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._digest import compare_across_ranks, tree_digests
 
 __all__ = ["check_replicas", "fingerprints"]
 
@@ -38,19 +40,10 @@ def fingerprints(tree: Any) -> dict[str, list[str]]:
   """``{leaf path: [hex digest per local copy]}`` (64-bit BLAKE2b of shape, dtype and bytes).
 
   Example:
-    >>> fingerprints({"w": jnp.zeros(2)})
-    {"['w']": ['...16 hex digits...']}
+    >>> fingerprints({"w": jnp.zeros(2)})       # 16 hex digits per local copy
+    {"['w']": ['...']}
   """
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    digests = []
-    for copy in _copies(leaf):
-      h = hashlib.blake2b(digest_size=8)
-      h.update(f"{copy.shape}{copy.dtype.str}".encode())
-      h.update(np.ascontiguousarray(copy).view(np.uint8).data)
-      digests.append(h.hexdigest())
-    out[jax.tree_util.keystr(path) or "<root>"] = digests
-  return out
+  return tree_digests(tree, digest_size=8, copies=_copies)
 
 
 def check_replicas(tree: Any, comm: Communicator, *, what: str = "parameters") -> None:
@@ -66,32 +59,18 @@ def check_replicas(tree: Any, comm: Communicator, *, what: str = "parameters") -
     what: its name, for the message.
 
   Example:
-    >>> if step % 500 == 0:
-    ...   mnjax.check_replicas(state.params, comm)
+    >>> params = {"w": jnp.zeros(3)}
+    >>> mnjax.check_replicas(params, comm)   # e.g. every 500 steps; raises if they drifted
   """
   check_communicator(comm, "check_replicas")
-  mine = fingerprints(tree)
-  everyone = comm.mpi_comm.allgather(mine) if comm.size > 1 else [mine]
-  reference = everyone[0]
-  differing: dict[str, list[str]] = {}
-  for rank, theirs in enumerate(everyone):
-    for path in sorted(set(reference) | set(theirs)):
-      digests = theirs.get(path, [])
-      ref = reference.get(path, [])
-      if not ref or not digests:
-        differing.setdefault(path, []).append(f"rank {rank} {'lacks' if not digests else 'has'} it")
-        continue
-      devices = [d for d, digest in enumerate(digests) if digest != ref[0]]
-      if devices:
-        where = f"rank {rank}" + (f" device {devices}" if len(digests) > 1 else "")
-        differing.setdefault(path, []).append(where)
+  differing, leaves = compare_across_ranks(fingerprints(tree), comm)
   if differing:
     listed = "; ".join(f"{path}: {', '.join(ranks)} differ from rank 0"
                        for path, ranks in list(differing.items())[:20])
     more = f" (and {len(differing) - 20} more leaves)" if len(differing) > 20 else ""
     raise ValueError(
         f"check_replicas: the {what} are no longer identical on every replica."
-        f" {len(differing)} of {len(reference)} leaves differ: {listed}{more}. Replicas"
+        f" {len(differing)} of {leaves} leaves differ: {listed}{more}. Replicas"
         " drift when ranks start from different values (broadcast from rank 0 after"
         " init or restore), apply different updates (every rank must run the same"
         " optimizer on the allreduced gradient) or the hardware flips bits. Restore the"

@@ -4,9 +4,10 @@ MPI only sees bytes. Two ranks that reduce a ``(64, 10)`` and a ``(10, 64)`` lea
 same buffers in a different leaf order, exchange the same byte count and get garbage without
 an error; a rank with one extra leaf waits forever in a collective nobody else issued. So
 before the first exchange, every rank hashes a *signature* — the tree structure, each leaf's
-path, shape and dtype, and the options that decide the wire layout (communicator kind,
-``mean``, ``wire_dtype``, bucket size) — and the ranks compare the hashes with one small
-host allgather (Horovod's coordinator check, done once instead of every step).
+path, shape and dtype (`tree_signature`, the one every host collective of `mnjax.comm._host`
+compares too), and the options that decide the wire layout (communicator kind, ``mean``,
+``wire_dtype``, bucket size) — and the ranks compare the hashes with one small host
+allgather (Horovod's coordinator check, done once instead of every step).
 
 `allreduce_gradients` runs the check when its update is *traced*: a jitted step pays for it
 once, at its first call, and a user's own step that only composes the transformation into
@@ -16,14 +17,12 @@ naming the leaf, the ranks and their shapes and dtypes, before any collective is
 
 from __future__ import annotations
 
-import hashlib
-import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._host import gather_if_different, tree_signature
 
 __all__ = ["DEFAULT_TIMEOUT", "check_same_on_all_ranks", "tree_signature"]
 
@@ -31,33 +30,15 @@ __all__ = ["DEFAULT_TIMEOUT", "check_same_on_all_ranks", "tree_signature"]
 #: reach it at their first trace of the step; the slowest start-up sets the pace.
 DEFAULT_TIMEOUT = 600.0
 
-_DIGEST = 16
-
-
-def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-  """``(leaf path, shape, dtype)`` for every leaf of `tree`, in flattening order.
-
-  Works on concrete arrays and on tracers (shape and dtype are static).
-
-  Example:
-    >>> tree_signature({"w": jnp.zeros((2, 3))})
-    (("['w']", (2, 3), 'float32'),)
-  """
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return tuple(
-      (jax.tree_util.keystr(path) or "<root>", tuple(np.shape(leaf)),
-       str(getattr(leaf, "dtype", type(leaf).__name__)))
-      for path, leaf in flat
-  )
-
 
 def check_same_on_all_ranks(comm: Communicator, what: str, signature: Any, *,
                             caller: str, timeout: float = DEFAULT_TIMEOUT) -> None:
   """Raises on every rank unless every rank passed an equal `signature`.
 
   Collective over ``comm.mpi_comm`` (host level: safe while a step is in flight, which uses
-  the other communicators). One allgather of a 16-byte hash; only on a mismatch are the
-  full signatures gathered to write the message.
+  the other communicators). One allgather of a 16-byte hash, and only on a mismatch of the
+  full signatures, to write the message (`mnjax.comm._host.gather_if_different`, the same
+  comparison every host collective makes).
 
   Args:
     comm: the `Communicator`.
@@ -68,29 +49,19 @@ def check_same_on_all_ranks(comm: Communicator, what: str, signature: Any, *,
     timeout: seconds to wait for the other ranks; then a `TimeoutError` names the check.
 
   Example:
+    >>> g = {"w": jnp.zeros(3)}
     >>> check_same_on_all_ranks(comm, "the gradient tree", {"tree": tree_signature(g)},
     ...                         caller="allreduce_gradients")
   """
-  if comm.size == 1:
-    return
-  mine = np.frombuffer(hashlib.blake2b(repr(signature).encode(), digest_size=_DIGEST).digest(),
-                       np.uint8)
-  everyone = np.empty((comm.size, _DIGEST), np.uint8)
-  request = comm.mpi_comm.Iallgather(mine, everyone)
-  deadline = time.monotonic() + timeout
-  while not request.Test():
-    if time.monotonic() > deadline:
-      raise TimeoutError(
+  signatures = gather_if_different(
+      comm, signature, timeout=timeout, timeout_message=(
           f"{caller}: rank {comm.rank} waited {timeout:.0f} s for the other ranks to check"
           f" {what} before the first exchange, and not all of them came. Every rank must"
           " trace the step (call it with the same shapes, in the same order); a step"
           " traced on some ranks only (e.g. jax.eval_shape on rank 0) cannot exchange"
-          " anything. Raise the timeout if start-up is slower than this.")
-    time.sleep(1e-3)
-  if (everyone == everyone[0]).all():
-    return
-  signatures = comm.mpi_comm.allgather(signature)
-  raise ValueError(describe_mismatch(signatures, what, caller))
+          " anything. Raise the timeout if start-up is slower than this."))
+  if signatures is not None:
+    raise ValueError(describe_mismatch(signatures, what, caller))
 
 
 def describe_mismatch(signatures: list[Any], what: str, caller: str) -> str:

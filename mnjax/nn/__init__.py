@@ -2,13 +2,15 @@
 
 * `SyncBatchNorm`: a drop-in for `flax.linen.BatchNorm` whose statistics are those of the
   global batch, over every device of every rank.
-* `allreduce_persistent`: averages batch statistics (or any persistent values) over ranks.
+* `allreduce_persistent`: averages batch statistics (or any persistent values) over ranks
+  (a host collective of `mnjax.comm`, exported here too).
 
 Example::
 
     norm = partial(mnjax.nn.SyncBatchNorm, comm=comm, use_running_average=not train)
 """
 
-from mnjax.nn._batch_norm import SyncBatchNorm, allreduce_persistent
+from mnjax.comm._host import allreduce_persistent
+from mnjax.nn._batch_norm import SyncBatchNorm
 
 __all__ = ["SyncBatchNorm", "allreduce_persistent"]

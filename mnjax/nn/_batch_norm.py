@@ -44,10 +44,11 @@ from flax.linen import dtypes as flax_dtypes
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as _jax_core  # the trace identity that scopes the order chain
+from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
 
 from mnjax.comm._collectives import sum_buffer
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._host import allreduce_persistent  # a host collective; exported here too
 
 __all__ = ["SyncBatchNorm", "allreduce_persistent"]
 
@@ -55,12 +56,17 @@ __all__ = ["SyncBatchNorm", "allreduce_persistent"]
 class SyncBatchNorm(nn.Module):
   """flax ``nn.BatchNorm`` with statistics over every device of every rank of `comm`.
 
-  A drop-in replacement: the same attributes (after `comm`), call signature and variable
-  collections (``params``: ``scale``, ``bias``; ``batch_stats``: ``mean``, ``var``), so
-  checkpoints and code written for ``nn.BatchNorm`` keep working. ``axis_name`` and
-  ``axis_index_groups`` must stay None: `comm` already spans the local devices (inside
-  `mnjax.data_parallel`) and every process. Initialisation (``model.init``) uses local
-  statistics and issues no collective, like ``nn.BatchNorm``.
+  A drop-in replacement: the same attributes (after `comm`), call signature, variable
+  collections (``params``: ``scale``, ``bias``; ``batch_stats``: ``mean``, ``var``) and
+  variable paths, so checkpoints and code written for ``nn.BatchNorm`` keep working. flax
+  names an unnamed submodule after its class, and this class carries ``nn.BatchNorm``'s
+  name for that (``SyncBatchNorm.__name__ == "BatchNorm"``; ``__qualname__`` stays
+  ``SyncBatchNorm``): a model whose norm is switched keeps ``BatchNorm_0``, ``BatchNorm_1``,
+  ... (also when it mixes both kinds of layer), and its module repr reads
+  ``BatchNorm(comm=...)``. ``axis_name`` and ``axis_index_groups`` must stay None: `comm`
+  already spans the local devices (inside `mnjax.data_parallel`) and every process.
+  Initialisation (``model.init``) uses local statistics and issues no collective, like
+  ``nn.BatchNorm``.
 
   Call it on every rank, in the same layers, with the same feature shapes (SPMD); batch
   sizes may differ between ranks (the counts travel with the sums).
@@ -170,6 +176,11 @@ class SyncBatchNorm(nn.Module):
     return jnp.asarray(y, flax_dtypes.canonicalize_dtype(*args, dtype=self.dtype))
 
 
+# flax auto-names an unnamed submodule `<type(module).__name__>_<i>`, one counter per name:
+# under nn.BatchNorm's name, a model switched to SyncBatchNorm keeps its variable paths.
+SyncBatchNorm.__name__ = "BatchNorm"
+
+
 def _local_sum(stacked):
   return tuple(stacked)
 
@@ -229,45 +240,3 @@ class _OrderChain(threading.local):
 
 
 _CHAIN = _OrderChain()
-
-
-def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
-  """The mean over ranks of every leaf of `tree` (ChainerMN's ``AllreducePersistent``).
-
-  For running statistics of per-rank ``nn.BatchNorm`` layers (which drift apart across
-  ranks): call it on the ``batch_stats`` collection before evaluating or saving, so every
-  rank holds the same averaged statistics. Host-level and collective (call on every rank);
-  the tree's structure, shapes and dtypes are checked on every rank first, and a mismatch
-  raises the same error everywhere.
-
-  Example:
-    >>> state = state.replace(batch_stats=mnjax.allreduce_persistent(state.batch_stats, comm))
-  """
-  check_communicator(comm, "allreduce_persistent")
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  signature = (str(treedef), [(np.shape(v), str(np.asarray(v).dtype)) for v in leaves])
-  signatures = comm.mpi_comm.allgather(signature)
-  differing = [r for r, s in enumerate(signatures) if s != signatures[0]]
-  if differing:
-    raise ValueError(
-        f"allreduce_persistent: ranks {differing} hold a tree that differs from rank 0's"
-        f" (structure, shapes or dtypes); rank 0 has {signatures[0]}, rank {differing[0]}"
-        f" has {signatures[differing[0]]}. Every rank must pass the same collection.")
-  for leaf in leaves:
-    if not np.issubdtype(np.asarray(leaf).dtype, np.floating):
-      raise TypeError(f"allreduce_persistent: leaves must be floating point, got"
-                      f" {np.asarray(leaf).dtype}.")
-  if comm.size == 1 or not leaves:
-    return tree
-  from mpi4py import MPI  # noqa: PLC0415
-
-  buf = np.concatenate([np.asarray(v, np.float64).ravel() for v in leaves])
-  comm.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-  buf /= comm.size
-  out, offset = [], 0
-  for leaf in leaves:
-    size = int(np.size(leaf))
-    value = buf[offset:offset + size].reshape(np.shape(leaf)).astype(np.asarray(leaf).dtype)
-    out.append(jnp.asarray(value) if isinstance(leaf, jax.Array) else value)
-    offset += size
-  return jax.tree_util.tree_unflatten(treedef, out)

@@ -12,14 +12,16 @@ user's own `jax.jit` step; the MPI exchange is traced into that step (see
 `mnjax.comm.allreduce_tree`). Arguments are checked when the transformation is
 built, parameter dtypes at ``init``. When the step is traced, every rank checks its gradient
 tree and, across ranks, that all ranks trace the same gradient and parameter trees with the
-same options (`mnjax.guard._preflight`) — before any collective runs, with the same error on every
-rank.
+same options (`mnjax.guard.check_same_on_all_ranks`) — before any collective runs, with the
+same error on every rank.
 
-Gradient accumulation without traffic: wrap the whole chain in `optax.MultiSteps`; its
-micro-steps take a ``lax.cond`` branch that never reaches the allreduce, so only the
-accumulated gradient is exchanged, once every ``k`` steps::
+Gradient accumulation: do not wrap the chain in `optax.MultiSteps`, which runs its inner
+chain on every micro-step and masks the result, so the allreduce inside it exchanges
+gradients ``k`` times per update. `mnjax.accumulate_gradients` runs the chain only on the
+``k``-th micro-step, on the mean gradient: one exchange per update::
 
-    tx = optax.MultiSteps(optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3)), k)
+    tx = mnjax.accumulate_gradients(
+        optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3)), every_k=k)
 """
 
 from __future__ import annotations

@@ -2,22 +2,58 @@
 
 * `data_parallel`: the right execution of a per-device step for the communicator kind.
 * `allreduce_metrics` / `global_mean`: exact metrics from per-rank sums and counts.
+* `mean_metrics`: exact metrics from per-rank means (a step ported from ``jax.lax.pmean``).
 * `MetricsLog`, `write_config`, `save_params`: a run's work directory, written by rank 0.
+* The classifier (`create_train_state`, `make_train_step`, `evaluate` over masked batches):
+  one state, step and evaluation, with or without batch statistics.
+* `train_loop`: the guarded epoch loop every experiment runs, with its `RunConfig`.
+* `parse_flags`: flags from a frozen config dataclass and ``get_config()`` files.
 
 Example::
 
     step = mnjax.train.data_parallel(train_step, comm, batch_argnums=(1, 2))
 """
 
-from mnjax.train._metrics import allreduce_metrics, global_mean
+from mnjax.train._classifier import (
+    TrainState,
+    classification_sums,
+    create_train_state,
+    eval_batches,
+    eval_step,
+    evaluate,
+    make_train_step,
+    train_step,
+    zero_sums,
+)
+from mnjax.train._flags import check_fields, flag, load_config, parse_flags
+from mnjax.train._loop import RunConfig, guarded_optimizer, skipped_steps, train_loop
+from mnjax.train._metrics import allreduce_metrics, global_mean, mean_metrics
 from mnjax.train._parallel import data_parallel
 from mnjax.train._workdir import MetricsLog, save_params, write_config
 
 __all__ = [
     "MetricsLog",
+    "RunConfig",
+    "TrainState",
     "allreduce_metrics",
+    "check_fields",
+    "classification_sums",
+    "create_train_state",
     "data_parallel",
+    "eval_batches",
+    "eval_step",
+    "evaluate",
+    "flag",
     "global_mean",
+    "guarded_optimizer",
+    "load_config",
+    "make_train_step",
+    "mean_metrics",
+    "parse_flags",
     "save_params",
+    "skipped_steps",
+    "train_loop",
+    "train_step",
     "write_config",
+    "zero_sums",
 ]

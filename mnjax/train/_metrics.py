@@ -1,31 +1,42 @@
-"""Exact global metrics: sum per-rank *sums and counts*, never average per-rank averages.
+"""Exact global metrics, from per-rank sums and counts or from per-rank means.
 
-Averaging per-rank accuracies is wrong as soon as ranks hold different numbers of real
-examples (the last shard is shorter, padded duplicates from ``force_equal_length``, the
-last partial batch). The rule here: each rank reports additive quantities (sum of losses,
-number correct, number of real examples — padding weighted 0), `allreduce_metrics` adds
-them exactly (integers as int64, floats as float64), and only then are ratios formed
-(`global_mean`).
+Averaging per-rank averages without weights is wrong as soon as ranks hold different
+numbers of real examples (the last shard is shorter, padded duplicates from
+``force_equal_length``, the last partial batch). Two exact ways, both host-level (outside
+`jax.jit`) and collective, built on `mnjax.comm._host`:
+
+* **Sums and counts.** Each rank reports additive quantities (sum of losses, number
+  correct, number of real examples — padding weighted 0), `allreduce_metrics` adds them
+  exactly (integers as int64, floats as float64), and only then are ratios formed
+  (`global_mean`).
+* **Means**, as a flax step that ends in ``jax.lax.pmean(metrics, "batch")`` reports them:
+  `mean_metrics` averages each rank's means weighted by its number of examples, and hands
+  back unchanged what every rank reports alike (a learning rate, a step count).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
+from mnjax.comm import _host as host
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._digest import leaf_digest
 
-__all__ = ["allreduce_metrics", "global_mean"]
+__all__ = ["allreduce_metrics", "global_mean", "mean_metrics"]
 
 
 def allreduce_metrics(metrics: Any, comm: Communicator) -> Any:
   """Sums a pytree of per-rank metric sums/counts over all ranks (host-level, collective).
 
   Integers are summed exactly as int64, floats in float64. Call it on every rank, outside
-  `jax.jit`, with the same tree structure everywhere.
+  `jax.jit`, with the same tree structure everywhere (checked first: a mismatch raises the
+  same `ValueError` on every rank).
 
   Args:
     metrics: pytree of scalars or arrays, e.g. ``{"loss_sum": ..., "correct": ...,
@@ -40,29 +51,8 @@ def allreduce_metrics(metrics: Any, comm: Communicator) -> Any:
     >>> total = mnjax.allreduce_metrics(local, comm)
     >>> accuracy = total["correct"] / total["count"]  # exact over the whole split
   """
-  check_communicator(comm, "allreduce_metrics")
-  leaves, treedef = jax.tree_util.tree_flatten(metrics)
-  arrays = [np.asarray(leaf) for leaf in leaves]
-  for path, a in zip(jax.tree_util.tree_flatten_with_path(metrics)[0], arrays):
-    if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
-      raise TypeError(
-          f"allreduce_metrics: leaf {jax.tree_util.keystr(path[0])} has dtype {a.dtype};"
-          " expected numbers (sums and counts). Convert strings or objects before reducing."
-      )
-  exact = [np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_ for a in arrays]
-  out: list[np.ndarray] = [None] * len(arrays)  # type: ignore[list-item]
-  for is_int, dtype in ((True, np.int64), (False, np.float64)):
-    idx = [i for i, e in enumerate(exact) if e == is_int]
-    if not idx:
-      continue
-    buf = np.concatenate([arrays[i].astype(dtype).ravel() for i in idx])
-    if comm.size > 1:
-      comm.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    offset = 0
-    for i in idx:
-      out[i] = buf[offset:offset + arrays[i].size].reshape(arrays[i].shape)
-      offset += arrays[i].size
-  return jax.tree_util.tree_unflatten(treedef, [o if o.ndim else o[()] for o in out])
+  totals = host.allreduce(metrics, comm, caller="allreduce_metrics")
+  return jax.tree.map(lambda total: total if total.ndim else total[()], totals)
 
 
 def global_mean(totals: Mapping[str, Any], count_key: str = "count") -> dict[str, Any]:
@@ -83,3 +73,106 @@ def global_mean(totals: Mapping[str, Any], count_key: str = "count") -> dict[str
       mean = np.asarray(value, np.float64) / float(count)
       means[key.removesuffix("_sum")] = float(mean) if mean.ndim == 0 else mean
   return means
+
+
+def mean_metrics(metrics: Any, comm: Communicator, *, weight: Any = 1) -> Any:
+  """The global mean of per-rank mean metrics: ``jax.lax.pmean`` over ranks, on the host.
+
+  For a step ported from flax's ``metrics = jax.lax.pmean(metrics, axis_name="batch")``:
+  drop the ``pmean`` from the step and call this on what the step returns, on every rank,
+  outside `jax.jit`. Each leaf is averaged over ranks weighted by `weight`, this rank's
+  number of examples: ``sum_r weight_r * value_r / sum_r weight_r`` in float64, the exact
+  mean over every example of every rank even when ranks hold different numbers of them (a
+  rank with none passes 0; its values, NaN or not, are left out). A leaf that is bitwise
+  equal on every rank (a learning rate, a step count, a metric already reduced over the
+  ``xla`` kind's global axis) comes back as it is, not rounded through an average.
+
+  The tree must have the same structure and shapes on every rank (checked first: a
+  mismatch raises the same `ValueError` everywhere). Scalars come back as Python numbers,
+  arrays as numpy (float64 where averaged). For sums and counts use `allreduce_metrics`;
+  per-device outputs of `mnjax.data_parallel` (one row per local device) need that axis
+  reduced first (e.g. ``jax.lax.pmean(metrics, comm.axis_name)`` kept inside the step, or
+  ``x.mean(0)`` on the rows of equal batches).
+
+  Args:
+    metrics: pytree of numbers: per-rank means (loss, accuracy) and anything else the step
+      reports (learning rate); jax arrays are fetched to the host.
+    comm: the `Communicator`.
+    weight: this rank's number of examples behind its means (a finite number >= 0);
+      the default 1 on every rank averages ranks equally, as ``pmean`` does.
+
+  Returns:
+    The same structure holding the global means.
+
+  Raises:
+    ValueError: on every rank, if some rank's `weight` is not a finite number >= 0, or
+      the weights sum to 0.
+
+  Example:
+    >>> # what a step ported from flax returns, without its pmean: this rank's means
+    >>> metrics = {"loss": jnp.float32(0.5), "accuracy": jnp.float32(0.75), "lr": 0.125}
+    >>> mnjax.mean_metrics(metrics, comm, weight=32)   # 32 examples behind them on this rank
+    {'accuracy': 0.75, 'loss': 0.5, 'lr': 0.125}
+  """
+  check_communicator(comm, "mean_metrics")
+  leaves, treedef = jax.tree_util.tree_flatten(metrics)
+  values = [np.asarray(leaf) for leaf in leaves]
+  w, valid = _weight(weight)
+  weighted = [_weighted(value, w) for value in values]
+  host.check_same_tree(jax.tree_util.tree_unflatten(treedef, weighted), comm, "mean_metrics")
+  host.check_numbers(jax.tree_util.tree_unflatten(treedef, values), "mean_metrics")
+  *sums, (total, invalid) = host.reduce_arrays([*weighted, np.array([w, float(not valid)])],
+                                               comm)
+  if invalid:
+    raise ValueError(
+        f"mean_metrics: weight must be a finite number >= 0 on every rank (the number of"
+        f" examples behind the rank's means; default 1), but {int(invalid)} of {comm.size}"
+        f" rank(s) passed another (this rank: {repr(weight)[:80]}). Pass e.g."
+        " weight=len(labels), or weight=mask.sum() with padded batches.")
+  if total <= 0:
+    raise ValueError(
+        "mean_metrics: the weights sum to 0 over all ranks, so no example stands behind"
+        " the means. Pass each rank's number of examples as weight (0 only on a rank that"
+        " has none).")
+  same = _same_on_every_rank(values, comm)
+  out = [_host_value(value if equal else summed / total)
+         for value, summed, equal in zip(values, sums, same)]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _weight(weight: Any) -> tuple[float, bool]:
+  """(`weight` as a float, whether it is valid: one finite real number >= 0, not a bool)."""
+  try:
+    w = np.asarray(weight)
+  except (TypeError, ValueError):
+    return 0.0, False
+  real = jnp.issubdtype(w.dtype, jnp.integer) or jnp.issubdtype(w.dtype, jnp.floating)
+  if w.shape != () or not real or not np.isfinite(w) or w < 0:
+    return 0.0, False
+  return float(w), True
+
+
+def _weighted(value: np.ndarray, w: float) -> np.ndarray:
+  """``w * value`` in float64 (complex128 for complex); exact zeros where ``w`` is 0, so a
+  rank without examples adds nothing, not its NaNs. Non-numbers stay as they are, for
+  `check_numbers` to name."""
+  if not host.is_number(value.dtype):
+    return value
+  x = np.asarray(value, np.result_type(value.dtype, np.float64))
+  return x * w if w > 0 else np.zeros_like(x)
+
+
+def _same_on_every_rank(values: list[np.ndarray], comm: Communicator) -> list[bool]:
+  """Per leaf, whether it is bitwise equal on every rank: one allreduce(MAX) of each leaf's
+  64-bit digest ``d`` and of ``~d``, since ``~max(~d) = min(d)`` equals ``max(d)`` exactly
+  when every rank has the same ``d``."""
+  if comm.size == 1 or not values:
+    return [True] * len(values)
+  words = np.array([int(leaf_digest(v, digest_size=8), 16) for v in values], np.uint64)
+  (high,) = host.reduce_arrays([np.concatenate([words, ~words])], comm, op=MPI.MAX)
+  return [bool(x) for x in high[:len(values)] == ~high[len(values):]]
+
+
+def _host_value(x: np.ndarray) -> Any:
+  """Scalars as Python numbers (JSON-ready), arrays as numpy."""
+  return x.item() if np.ndim(x) == 0 else np.asarray(x)

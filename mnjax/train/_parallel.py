@@ -3,9 +3,10 @@
 With ``flat`` a process drives one device and the user's step is simply jitted. With
 ``hierarchical``, ``two_dimensional``, ``single_node`` and ``xla`` one process drives all its
 local devices: `data_parallel` maps the step over them with `jax.shard_map` (axis
-``comm.axis_name``; for ``xla`` the mesh spans every device of every process), splitting the batch arguments along their leading axis and replicating
-everything else (parameters, optimizer state). Inside, `allreduce_gradients` sums over the
-local axis and across processes; user code may reduce over the same axis (flax
+``comm.axis_name``; for ``xla`` the mesh spans every device of every process), splitting the
+batch arguments along their leading axis and replicating everything else (parameters,
+optimizer state). Inside, `allreduce_gradients` sums over the local axis and across
+processes; user code may reduce over the same axis (flax
 ``BatchNorm(axis_name=comm.axis_name)``, ``jax.lax.psum(metrics, comm.axis_name)``).
 
 Why one `shard_map`ped program per step (measured on 2 processes x 2 emulated devices,
@@ -20,11 +21,13 @@ local rendezvous under asynchronous dispatch and reaches only 0.83 synchronised.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mnjax.comm._communicator import Communicator, check_communicator
 
@@ -43,14 +46,18 @@ def data_parallel(
   Outputs of `fn` must be the same on all devices (parameters updated with all-reduced
   gradients are), except those listed in `per_device_outputs` (e.g. metrics of each
   device's examples): they come back stacked along a new leading axis, one row per local
-  device of this process, for every kind alike.
+  device of this process, for every kind alike (``flat``: one row), as ``jax.pmap`` returns
+  them. A Python number there (``{"count": 32}``) becomes a row per device, as under
+  ``pmap``; any other leaf that is not an array is a `TypeError` naming the output, raised
+  on every rank while the step is traced.
 
   Args:
     fn: ``fn(*args)``, written for one device and one device's share of the batch.
     comm: the `Communicator`; for ``flat`` the result is just ``jax.jit(fn)``.
-    batch_argnums: positions of the arguments whose leaves are split along axis 0 across
-      the local devices (this process's batch); the others are replicated.
-    per_device_outputs: positions in `fn`'s output tuple that differ per device.
+    batch_argnums: positions (ints >= 0) of the arguments whose leaves are split along axis
+      0 across the local devices (this process's batch); the others are replicated.
+    per_device_outputs: positions (ints >= 0) in `fn`'s output tuple that differ per
+      device; `fn` must then return a tuple.
 
   Returns:
     ``step(*args)``; batch arguments hold this process's examples and must split evenly
@@ -62,23 +69,23 @@ def data_parallel(
     >>> state, metrics = step(state, images, labels)        # images: this process's batch
   """
   check_communicator(comm, "data_parallel")
-  batch_argnums = tuple(batch_argnums)
-  per_device_outputs = tuple(per_device_outputs)
+  batch_argnums = _positions(batch_argnums, "batch_argnums", "step argument")
+  per_device_outputs = _positions(per_device_outputs, "per_device_outputs", "output of fn")
 
   def stacked(*args):  # per-device outputs get a leading axis: one row per device
     out = fn(*args)
     if not per_device_outputs:
       return out
-    out = list(out)
+    out = list(_output_tuple(out, per_device_outputs))
     for i in per_device_outputs:
-      out[i] = jax.tree.map(lambda x: x[None], out[i])
+      out[i] = jax.tree_util.tree_map_with_path(functools.partial(_row, i), out[i])
     return tuple(out)
 
   if not comm.multi_device:
     return jax.jit(stacked)
   n = comm.local_device_count
 
-  @functools.lru_cache(maxsize=None)
+  @functools.cache
   def compiled(nargs: int, nout: int | None):
     in_specs = tuple(P(comm.axis_name) if i in batch_argnums else P() for i in range(nargs))
     out_specs = (P() if nout is None else
@@ -115,6 +122,49 @@ def data_parallel(
   return step
 
 
+def _positions(value: Any, name: str, what: str) -> tuple[int, ...]:
+  """`value` as a tuple of positions (an int counts as one), or a clear error."""
+  def is_position(p):
+    return isinstance(p, (int, np.integer)) and not isinstance(p, bool) and p >= 0
+
+  try:
+    positions = (value,) if is_position(value) else tuple(value)
+  except TypeError:
+    positions = (None,)
+  if not all(is_position(p) for p in positions):
+    raise ValueError(
+        f"data_parallel: {name} must be positions (ints >= 0, each the index of a {what}),"
+        f" got {value!r}. Count from the start: for the last of three, pass 2.")
+  return tuple(int(p) for p in positions)
+
+
+def _output_tuple(out: Any, per_device_outputs: tuple) -> tuple:
+  """`fn`'s output, checked to be a tuple long enough for `per_device_outputs`."""
+  if not isinstance(out, (tuple, list)):
+    raise TypeError(
+        f"data_parallel: per_device_outputs={per_device_outputs} names positions in fn's"
+        f" output tuple, but fn returned a {type(out).__name__}. Return a tuple (e.g."
+        " `return state, metrics` with per_device_outputs=(1,)), or drop per_device_outputs.")
+  if max(per_device_outputs) >= len(out):
+    raise ValueError(
+        f"data_parallel: per_device_outputs={per_device_outputs} names position"
+        f" {max(per_device_outputs)}, but fn returned {len(out)} outputs (positions 0 to"
+        f" {len(out) - 1}).")
+  return tuple(out)
+
+
+def _row(index: int, path: tuple, leaf: Any) -> jax.Array:
+  """One device's row of a per-device output leaf (a Python number too, as ``pmap``)."""
+  if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+    return jax.numpy.asarray(leaf)[None]
+  raise TypeError(
+      f"data_parallel: per-device output {index} (per_device_outputs) has a leaf"
+      f" {jax.tree_util.keystr(path) or '<root>'} of type {type(leaf).__name__} ({leaf!r});"
+      " each of its leaves must be an array or a Python number (a jitted step returns"
+      " arrays only). Return it as a jnp array (jnp.asarray(...)), or keep it out of the"
+      " step's outputs.")
+
+
 class _XlaShardings(NamedTuple):
   """``xla``: where global arguments live (built once per `data_parallel`)."""
 
@@ -123,7 +173,7 @@ class _XlaShardings(NamedTuple):
   local: NamedSharding  # replicated over this process's devices only
 
   @classmethod
-  def of(cls, comm: Communicator) -> "_XlaShardings":
+  def of(cls, comm: Communicator) -> _XlaShardings:
     mesh = comm.mesh
     local_mesh = jax.sharding.Mesh(np.array(comm.devices), ("local",))
     return cls(NamedSharding(mesh, P(comm.axis_name)), NamedSharding(mesh, P()),

@@ -124,7 +124,9 @@ def test_restoring_into_a_different_tree_is_refused(comm, tmp_path):
   with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
     ckpt.save(1, {"w": jnp.ones(3)})
     ckpt.wait()
-    with pytest.raises(mnjax.CorruptCheckpointError, match=r"different tree.*\['w'\] saved as float32\(3,\), expected float32\(4,\)"):
+    with pytest.raises(mnjax.CorruptCheckpointError,
+                       match=r"different tree.*\['w'\] saved as float32\(3,\),"
+                             r" expected float32\(4,\)"):
       ckpt.restore({"w": jnp.ones(4)})
 
 
@@ -140,3 +142,15 @@ def test_saving_different_steps_on_different_ranks_is_refused(comm, tmp_path):
 def test_keep_must_be_positive(comm, tmp_path):
   with pytest.raises(ValueError, match="keep must be an int >= 1"):
     mnjax.Checkpointer(tmp_path, comm, keep=0)
+
+
+def test_verification_compares_the_digests_saved_with_the_state():
+  from mnjax.checkpoint import _checkpointer as checkpointer
+
+  state = {"w": np.arange(4.0), "n": np.int64(3)}
+  saved = checkpointer._digests(state)
+  assert checkpointer._damaged(saved, state) == []
+  assert checkpointer._damaged(saved, {**state, "w": np.arange(4.0) + 1}) == ["['w']"]
+  # A state that is one bare array: older records name its leaf '' rather than '<root>'.
+  bare = np.arange(3.0)
+  assert checkpointer._damaged({"": checkpointer._digests(bare)["<root>"]}, bare) == []

@@ -69,3 +69,83 @@ def test_epoch_batches_same_step_count_everywhere_and_exact_eval_coverage(comm):
     assert len(idx) == global_batch // comm.size  # one static shape
     seen.extend(idx[mask].tolist())
   assert sorted(sum(gather(comm, seen), [])) == list(range(n))
+
+
+# The training order. A grouping is (processes, devices per process); replica
+# j = rank * devices + device. What the step sees of a global batch is the ranks' slices in
+# rank order, each split over its devices in order: rank-major, then device-major.
+GROUPINGS = [(4, 1), (2, 2), (1, 4), (8, 1), (2, 4)]
+
+
+def as_the_step_sees_it(n, global_batch, processes, devices, **options):
+  """Per step, the replicas' examples in replica order, and the masks likewise."""
+  replicas_idx, replicas_mask = [], []
+  for rank in range(processes):
+    idx, mask = mnjax.data.global_batch_slices(n, global_batch, rank=rank, size=processes,
+                                               **options)
+    assert idx.shape == mask.shape == (idx.shape[0], global_batch // processes)
+    replicas_idx += np.split(idx, devices, axis=1)  # the process's devices, in order
+    replicas_mask += np.split(mask, devices, axis=1)
+  return np.stack(replicas_idx, axis=1), np.stack(replicas_mask, axis=1)
+
+
+@pytest.mark.parametrize("drop_remainder", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("n", [83, 96])
+def test_global_batches_do_not_depend_on_how_replicas_group_into_processes(n, drop_remainder):
+  global_batch = 16
+  options = dict(shuffle=drop_remainder, seed=5, epoch=2, drop_remainder=drop_remainder)
+  seen = {g: as_the_step_sees_it(n, global_batch, *g, **options) for g in GROUPINGS}
+  reference_idx, reference_mask = seen[GROUPINGS[0]]
+  steps = n // global_batch if drop_remainder else -(-n // global_batch)
+  assert reference_idx.shape == (steps, 4, global_batch // 4)
+  for idx, mask in seen.values():  # replica j sees the same examples in every grouping
+    replicas = idx.shape[1]
+    np.testing.assert_array_equal(idx.reshape(steps, -1), reference_idx.reshape(steps, -1))
+    np.testing.assert_array_equal(mask.reshape(steps, -1), reference_mask.reshape(steps, -1))
+    per_replica = global_batch // replicas
+    for j in range(replicas):
+      np.testing.assert_array_equal(
+          idx[:, j], reference_idx.reshape(steps, -1)[:, j * per_replica:(j + 1) * per_replica])
+  # And that order is the epoch's permutation cut into consecutive global batches.
+  one, one_mask = mnjax.data.global_batch_slices(n, global_batch, rank=0, size=1, **options)
+  np.testing.assert_array_equal(reference_idx.reshape(steps, -1), one)
+  flat = one[one_mask]
+  assert len(flat) == len(set(flat.tolist())) == (steps * global_batch if drop_remainder else n)
+  if not drop_remainder:
+    assert sorted(flat.tolist()) == list(range(n))
+
+
+def test_global_batch_slices_checks_its_arguments():
+  with pytest.raises(ValueError, match="multiple of the 3 processes"):
+    mnjax.data.global_batch_slices(100, 16, rank=0, size=3, shuffle=True)
+  with pytest.raises(ValueError, match="0 <= rank < size"):
+    mnjax.data.global_batch_slices(100, 16, rank=2, size=2, shuffle=True)
+  with pytest.raises(ValueError, match="no full global batch of 16"):
+    mnjax.data.global_batch_slices(10, 16, rank=0, size=2, shuffle=True)
+  idx, mask = mnjax.data.global_batch_slices(10, 16, rank=1, size=2, shuffle=True,
+                                             drop_remainder=False)
+  assert idx.shape == (1, 8) and mask.tolist() == [[True, True] + [False] * 6]
+
+
+@pytest.mark.parametrize("kind", ["flat", "hierarchical"])
+def test_replicas_see_one_process_global_batches_under_any_grouping(comm, kind):
+  """Under mpirun -n P: flat is P x 1 and hierarchical P x 2 (conftest's two CPU devices);
+  the step's per-device inputs, gathered over ranks, are one process's global batches."""
+  from mnjax.train._parallel import data_parallel  # the step the loops feed
+
+  kc = mnjax.create_communicator(kind)
+  n, global_batch = 11 * comm.size + 5, 4 * comm.size * 2  # divisible for both groupings
+  see = data_parallel(lambda idx: (idx,), kc, batch_argnums=(0,), per_device_outputs=(0,))
+  one = mnjax.data.global_batch_slices(n, global_batch, rank=0, size=1, shuffle=True, seed=4,
+                                       epoch=1, drop_remainder=False)
+  batches = mnjax.epoch_batches(n, kc, global_batch, shuffle=True, seed=4, epoch=1,
+                                drop_remainder=False)
+  steps = 0
+  for (idx, mask), expected, expected_mask in zip(batches, *one):
+    (devices,) = see(idx.astype(np.int32))  # one row per local device, in device order
+    assert np.shape(devices) == (kc.local_device_count, global_batch // kc.num_replicas)
+    np.testing.assert_array_equal(np.concatenate(gather(comm, np.asarray(devices).reshape(-1))),
+                                  expected)
+    np.testing.assert_array_equal(np.concatenate(gather(comm, mask)), expected_mask)
+    steps += 1
+  assert steps == len(one[0]) == -(-n // global_batch)

@@ -8,6 +8,7 @@ import functools
 import hashlib
 
 import flax.linen as nn
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,6 +175,50 @@ def test_single_replica_matches_flax_batch_norm_and_its_variables():
     close(got, want, tol=1e-6)
 
 
+class Unnamed(nn.Module):
+  """Unnamed norm layers (flax names them after their class), some always nn.BatchNorm."""
+
+  norm: type = nn.BatchNorm
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    norm = functools.partial(self.norm, use_running_average=not train, momentum=0.5)
+    x = norm()(nn.Dense(4)(x))
+    x = nn.BatchNorm(use_running_average=not train)(nn.relu(x))  # shares the BatchNorm_<i> count
+    return norm(use_bias=False)(nn.Dense(3)(x))
+
+
+def variable_paths(model, x):
+  shapes = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0), x)
+  return sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0])
+
+
+def test_switching_to_sync_batch_norm_keeps_the_variable_paths(comm):
+  x, norm = jnp.ones((2, 8, 8, 3)), functools.partial(mnjax.SyncBatchNorm, comm)
+  want = variable_paths(Unnamed(), x)
+  assert variable_paths(Unnamed(norm=norm), x) == want
+  assert {"['params']['BatchNorm_2']['scale']", "['batch_stats']['BatchNorm_2']['var']"} < set(want)
+  resnet = functools.partial(mnjax.models.ResNet18, num_classes=5, stem="cifar")
+  assert variable_paths(resnet(norm=norm), x) == variable_paths(resnet(), x)
+  assert mnjax.SyncBatchNorm.__qualname__ == "SyncBatchNorm"  # type repr, pickling, docs
+
+
+def test_a_batch_norm_checkpoint_loads_into_the_sync_batch_norm_model():
+  solo = mnjax.create_communicator("flat", MPI.COMM_SELF)
+  x = np.random.default_rng(4).normal(size=(6, 5)).astype(np.float32)
+  model, synced = Unnamed(), Unnamed(norm=functools.partial(mnjax.SyncBatchNorm, solo))
+  variables = model.init(jax.random.key(3), x, train=False)
+  _, trained = model.apply(variables, x, train=True, mutable=["batch_stats"])
+  variables = {**variables, **trained}  # running statistics that are not the initial ones
+  saved = flax.serialization.to_bytes(variables)
+  template = synced.init(jax.random.key(9), x, train=False)
+  loaded = flax.serialization.from_bytes(template, saved)  # raises if any path differs
+  close(loaded, variables, tol=0)
+  for train in (True, False):
+    close(synced.apply(loaded, x, train=train, mutable=["batch_stats"]),
+          model.apply(variables, x, train=train, mutable=["batch_stats"]), tol=1e-6)
+
+
 def test_mask_and_two_pass_variance_match_flax(comm):
   x = np.random.default_rng(3).normal(size=(4 * comm.size, 3)).astype(np.float32)
   mask = np.arange(len(x))[:, None] % 3 != 0
@@ -183,8 +228,8 @@ def test_mask_and_two_pass_variance_match_flax(comm):
     variables = ref.init(jax.random.key(0), x)
     want, want_stats = ref.apply(variables, x, mask=mask, mutable=["batch_stats"])
     synced = mnjax.SyncBatchNorm(comm, use_running_average=False, use_fast_variance=fast)
-    got, got_stats = jax.jit(lambda v, x, m: synced.apply(v, x, mask=m, mutable=["batch_stats"]))(
-        variables, x[rows], mask[rows])
+    got, got_stats = jax.jit(functools.partial(synced.apply, mutable=["batch_stats"]))(
+        variables, x[rows], mask=mask[rows])
     close(got, want[rows])
     close(got_stats, want_stats)
 

@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import mnjax
-from mnjax.train._classifier import create_train_state, eval_step, evaluate, train_step
 from mnjax.models import SmallCNN
+from mnjax.train import create_train_state, eval_batches, eval_step, evaluate, train_step
 
 DIGITS_TRAIN = mnjax.data.load_digits("train")
 DIGITS_TEST = mnjax.data.load_digits("test")
@@ -54,7 +55,7 @@ def test_params_bitwise_identical_on_every_rank_after_training(comm):
   assert int(state.step) == 12
   # Non-vacuous: the ranks really trained on different data.
   losses = comm.mpi_comm.allgather(grads_differ)
-  assert len({tuple(l) for l in losses}) == comm.size
+  assert len({tuple(rank_losses) for rank_losses in losses}) == comm.size
 
 
 def test_data_parallel_sgd_equals_single_process_large_batch_sgd(comm):
@@ -83,9 +84,28 @@ def test_global_evaluation_equals_single_process_evaluation(comm):
     state, _ = train_step(state, images[mine], labels[mine])
   n = len(DIGITS_TEST)
   # 359 examples, batch 16 * size: padded last batches and equal-length duplicates.
-  sharded = evaluate(state, DIGITS_TEST.images, DIGITS_TEST.labels, comm, 16 * comm.size)
+  sharded = evaluate(state, eval_batches(DIGITS_TEST.images, DIGITS_TEST.labels, comm,
+                                         16 * comm.size), comm)
   whole = eval_step(state, DIGITS_TEST.images, DIGITS_TEST.labels, np.ones(n, bool))
   assert sharded["count"] == n
   assert sharded["correct"] == int(whole["correct"]) / n
   assert abs(sharded["loss"] - float(whole["loss_sum"]) / n) <= 1e-5 * sharded["loss"]
   assert 0.2 < sharded["correct"] < 1.0
+
+
+def test_pmean_style_metrics_of_uneven_shards_equal_single_process_evaluation(comm):
+  # A step ported from flax reports means (its pmean removed); ranks hold different numbers
+  # of examples (np.array_split of 359); mean_metrics weighted by them is the whole split's.
+  state = create_train_state(SmallCNN(), optax.sgd(0.1), DIGITS_TRAIN.images[:1],
+                             jax.random.key(0))
+  mine = np.array_split(np.arange(len(DIGITS_TEST)), comm.size)[comm.rank]
+  sums = eval_step(state, DIGITS_TEST.images[mine], DIGITS_TEST.labels[mine],
+                   np.ones(len(mine), bool))
+  means = {"loss": sums["loss_sum"] / sums["count"], "accuracy": sums["correct"] / sums["count"],
+           "lr": np.float32(0.1)}
+  out = mnjax.mean_metrics(means, comm, weight=len(mine))
+  n = len(DIGITS_TEST)
+  whole = eval_step(state, DIGITS_TEST.images, DIGITS_TEST.labels, np.ones(n, bool))
+  assert out["accuracy"] == pytest.approx(int(whole["correct"]) / n, rel=1e-6)
+  assert out["loss"] == pytest.approx(float(whole["loss_sum"]) / n, rel=1e-5)
+  assert out["lr"] == float(np.float32(0.1))  # the same on every rank: passed through

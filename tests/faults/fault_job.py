@@ -2,10 +2,10 @@
 
 Modes: ``ok``; ``raise`` (rank 1 raises at step 3); ``kill`` / ``kill_root`` (rank 1 / rank 0
 SIGKILLs itself at step 3); ``stop_root`` (rank 0 SIGSTOPs itself at step 3: alive, silent);
-``stall`` (rank 1 sleeps at step 3); ``root_lingers`` /
-``worker_lingers`` (rank 0 / rank 1 keeps its watchdog running alone, after the other rank
-stopped its own, for longer than the watchdog's timeouts: a normal end, not a stall). The watchdog runs with
-short timeouts so that tests/test_failfast.py finishes quickly.
+``stall`` (rank 1 sleeps at step 3); ``root_lingers`` / ``worker_lingers`` (rank 0 / rank 1
+keeps its watchdog running alone, after the other rank stopped its own, for longer than the
+watchdog's timeouts: a normal end, not a stall). The watchdog runs with short timeouts so
+that tests/test_failfast.py finishes quickly.
 """
 
 import os

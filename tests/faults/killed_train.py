@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-import train  # noqa: E402
+import train
 
-import mnjax  # noqa: E402
+import mnjax
 
 
 def main(rank: int, kill_step: int, argv: list[str]) -> None:

@@ -1,0 +1,72 @@
+"""Every private JAX and mpi4jax API mnjax relies on, in one place.
+
+mnjax pins jax and mpi4jax (pyproject.toml: mpi4jax==0.9.1.post2, which pins
+``jaxlib<=0.10.2``), and a few things it needs have no public API in those versions. Each is
+imported here, and only here, with what it is for and what would replace it, so that an
+upgrade is one file to read (mpi4jax does the same in its ``_src/jax_compat.py``). The
+other modules import these names from `mnjax.comm._compat`; nothing else in the package
+imports ``jax._src`` or ``mpi4jax._src``.
+
+Former private uses that now have a public home (and no longer come through here):
+``jax._src.core.get_opaque_trace_state`` is ``jax.extend.core.get_opaque_trace_state``
+(`mnjax.nn.SyncBatchNorm`'s order chain), and ``mpi4jax._src.xla_bridge.HAS_CUDA_EXT`` is
+``mpi4jax.has_cuda_support()``.
+"""
+
+from __future__ import annotations
+
+# jax's "have the backends been created yet" flag: `create_communicator` must know whether
+# JAX already started (then it is too late to choose devices, or to start jax.distributed)
+# without starting it. Public replacement: none in jax 0.10.2 (every jax.extend.backend
+# query creates the backends).
+from jax._src import xla_bridge as _jax_xla_bridge
+
+# mpi4jax's "CUDA copy mode chosen" flag and its CUDA extension's copy-mode switch, for
+# `set_mpi4jax_cuda_copy_mode` (read at call time, so a test may patch them). Public
+# replacement: none in mpi4jax 0.9.1 (only the MPI4JAX_USE_CUDA_MPI variable, read late).
+from mpi4jax._src import decorators as _mpi4jax_decorators
+from mpi4jax._src import xla_bridge as _mpi4jax_xla_bridge
+
+# The abstract token value mpi4jax's FFI handlers take and return: the GPU lowering of
+# `mnjax.comm._primitives` builds their operand and result types from it. jax must see its
+# own singleton (it checks ``aval is core.abstract_token``), which mpi4jax picks per jax
+# version. Public replacement: ``jax.ffi.abstract_token`` (jax >= 0.11).
+from mpi4jax._src.jax_compat import abstract_token
+
+# The C handles of an MPI object (communicator, reduction op, datatype) as the signed 64-bit
+# integers mpi4jax's and mnjax's FFI handlers read, and of the MPI datatype of a numpy dtype.
+# Public replacement: none in mpi4jax; mpi4py offers ``MPI._handleof`` (private as well) and
+# nothing for the sign conversion MPICH's 32-bit handles need.
+from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
+
+__all__ = [
+    "abstract_token", "jax_backends_started", "set_mpi4jax_cuda_copy_mode", "to_dtype_handle",
+    "to_mpi_handle",
+]
+
+
+def jax_backends_started() -> bool:
+  """Whether JAX has created its backends (opened its devices) in this process.
+
+  Example:
+    >>> _ = jax.devices()          # anything that asks for devices starts them
+    >>> jax_backends_started()
+    True
+  """
+  return _jax_xla_bridge.backends_are_initialized()
+
+
+def set_mpi4jax_cuda_copy_mode(copy_to_host: bool) -> None:
+  """Sets how mpi4jax's CUDA handlers hand buffers to MPI, and marks its set-up as done.
+
+  True: copy every buffer to host memory and back around the MPI call (any MPI); False:
+  pass device pointers (a CUDA-aware MPI only). mpi4jax otherwise decides at its first GPU
+  call from ``MPI4JAX_USE_CUDA_MPI``, with a warning that pytest's ``-W error`` turns into
+  an error before the mode is set (`mnjax.comm._cuda_mpi` says why that segfaults). Needs
+  mpi4jax's CUDA extension (``mpi4jax.has_cuda_support()``).
+
+  Example:
+    >>> set_mpi4jax_cuda_copy_mode(copy_to_host=True)  # the mpich wheel  # doctest: +SKIP
+  """
+  _mpi4jax_decorators._cuda_mpi_setup_done = True  # mnjax decided: mpi4jax must not warn
+  _mpi4jax_xla_bridge.mpi_xla_bridge_cuda.set_copy_to_host(copy_to_host)
