@@ -31,7 +31,12 @@ from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter
 from mnjax.guard import Watchdog, check_replicas
 from mnjax.nn import SyncBatchNorm, allreduce_persistent
 from mnjax.optim import (
-    accumulate_gradients, allreduce_gradients, raise_if_diverging, recipes, skip_nonfinite)
+    accumulate_gradients,
+    allreduce_gradients,
+    raise_if_diverging,
+    recipes,
+    skip_nonfinite,
+)
 from mnjax.train import allreduce_metrics, data_parallel, global_mean, mean_metrics
 
 __version__ = "0.1.0"

@@ -43,8 +43,8 @@ import numpy as np
 import optax
 
 import mnjax
-from mnjax.train._classifier import create_train_state, make_train_step
 from mnjax.models import SmallCNN
+from mnjax.train._classifier import create_train_state, make_train_step
 
 REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
 SMOKE = os.environ.get("MNJAX_NOTEBOOK_SMOKE") == "1"

@@ -47,7 +47,9 @@ import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
 from mnjax import costmodel as cm
-from mnjax.costmodel import allreduce as ar, hardware as hw, published, step
+from mnjax.costmodel import allreduce as ar
+from mnjax.costmodel import hardware as hw
+from mnjax.costmodel import published, step
 
 REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
 SMOKE = os.environ.get("MNJAX_NOTEBOOK_SMOKE") == "1"
@@ -108,12 +110,15 @@ for m in methods:
                   for n, row in zip(sizes, sweep)], "o-", label=m, ms=4)
 if "psum" in allreduce_json:
   ps = allreduce_json["psum"]["sweep"]
-  ax.plot([r["bytes"] for r in ps], [ar.bus_bandwidth(r["bytes"], r["seconds"]["jax_psum"], ranks) / 1e9
-                                     for r in ps], "o-", label="jax_psum (gloo)", ms=4)
+  ax.plot([r["bytes"] for r in ps],
+          [ar.bus_bandwidth(r["bytes"], r["seconds"]["jax_psum"], ranks) / 1e9 for r in ps],
+          "o-", label="jax_psum (gloo)", ms=4)
 machine = cal.cluster(ranks)
 ax.plot(sizes, [ar.bus_bandwidth(n, ar.ring(n, machine), ranks) / 1e9 for n in sizes], "k--",
-        label=f"model: alpha {cal.raw_link.latency * 1e6:.1f} us, B {cal.raw_link.bandwidth / 1e9:.2f} GB/s")
-ax.set(xscale="log", yscale="log", xlabel="message (bytes, float32)", ylabel="bus bandwidth (GB/s)",
+        label=f"model: alpha {cal.raw_link.latency * 1e6:.1f} us,"
+              f" B {cal.raw_link.bandwidth / 1e9:.2f} GB/s")
+ax.set(xscale="log", yscale="log", xlabel="message (bytes, float32)",
+       ylabel="bus bandwidth (GB/s)",
        title=f"allreduce on this machine, {ranks} ranks ({allreduce_json['launch']})")
 ax.legend(fontsize=8)
 save(fig, "allreduce_bandwidth")
@@ -138,30 +143,35 @@ predicted = [
     for r in rows]
 fig, ax = plt.subplots(figsize=(6, 4))
 p = [r["ranks"] for r in rows]
-ax.plot(p, [r["communication_efficiency"] for r in rows], "o-", label="measured: communication efficiency")
+ax.plot(p, [r["communication_efficiency"] for r in rows], "o-",
+        label="measured: communication efficiency")
 ax.plot(p, [r["weak_scaling_efficiency"] for r in rows], "s-", label="measured: weak scaling")
 ax.plot(p, predicted, "k--", label="model: communication efficiency")
 ax.set(xlabel="ranks (processes)", ylabel="efficiency", ylim=(0, 1.1), xticks=p,
        title="digits CNN step on this 2-core machine")
 ax.legend(fontsize=8)
 save(fig, "measured_efficiency")
-display(Markdown("| ranks | measured comm. efficiency | model | weak scaling |\n|---|---|---|---|\n" + "\n".join(
-    f"| {r['ranks']} | {r['communication_efficiency']:.3f} | {m:.3f} | {r['weak_scaling_efficiency']:.3f} |"
-    for r, m in zip(rows, predicted))))
+display(Markdown(
+    "| ranks | measured comm. efficiency | model | weak scaling |\n|---|---|---|---|\n"
+    + "\n".join(f"| {r['ranks']} | {r['communication_efficiency']:.3f} | {m:.3f}"
+                f" | {r['weak_scaling_efficiency']:.3f} |" for r, m in zip(rows, predicted))))
 
 # %% [markdown]
 # ## 4. The formulas, with their sources
 #
 # For `p` ranks, `n` bytes, link latency `α` and time per byte `β = 1/B` (Hockney's model):
 #
-# | algorithm | time | source |
-# |---|---|---|
-# | ring | `2(p-1) α + 2 (p-1)/p · n β` | Patarasuk & Yuan, JPDC 2009 |
-# | recursive halving/doubling | `2 log2(p) α + 2 (p-1)/p · n β` (+ 2 full exchanges if p is not a power of 2) | Thakur, Rabenseifner, Gropp, IJHPCA 2005 |
-# | recursive doubling | `log2(p) (α + n β)` | same |
-# | hierarchical | `k · ring_node(n) + allreduce_nodes(n)` (mnjax: k = 2 intra-node psums; ChainerMN: reduce + bcast, k ≈ 1) | ChainerMN (Akiba et al. 2017) |
-# | two-dimensional | `ring_node(n) + allreduce_nodes(n/g)`, the g shards sharing the node's NICs | ChainerMN; Mikami et al. 2018 (2D-torus) |
-# | double binary tree (NCCL >= 2.4) | `2(g-1) α_node + 2 ceil(log2 N) α_net + 2n / min(B_node, NICs · B_net)`, pipelined | Sanders, Speck & Träff 2009; NVIDIA's NCCL 2.4 blog |
+# - **ring**: `2(p-1) α + 2 (p-1)/p · n β` (Patarasuk & Yuan, JPDC 2009)
+# - **recursive halving/doubling**: `2 log2(p) α + 2 (p-1)/p · n β`, plus 2 full exchanges
+#   if p is not a power of 2 (Thakur, Rabenseifner, Gropp, IJHPCA 2005)
+# - **recursive doubling**: `log2(p) (α + n β)` (same)
+# - **hierarchical**: `k · ring_node(n) + allreduce_nodes(n)` (mnjax: k = 2 intra-node
+#   psums; ChainerMN: reduce + bcast, k ≈ 1) (ChainerMN, Akiba et al. 2017)
+# - **two-dimensional**: `ring_node(n) + allreduce_nodes(n/g)`, the g shards sharing the
+#   node's NICs (ChainerMN; Mikami et al. 2018, 2D-torus)
+# - **double binary tree (NCCL >= 2.4)**: `2(g-1) α_node + 2 ceil(log2 N) α_net + 2n /
+#   min(B_node, NICs · B_net)`, pipelined (Sanders, Speck & Träff 2009; NVIDIA's NCCL 2.4
+#   blog)
 #
 # mnjax's kinds: `flat` is MPI_Allreduce over one process per GPU (MPICH: halving/doubling
 # for large messages; with ranks placed by node its network steps carry messages already
@@ -178,13 +188,14 @@ display(Markdown("| ranks | measured comm. efficiency | model | weak scaling |\n
 # ## 5. Validation: published points before predictions
 #
 # Each case's inputs and their sources are in `mnjax/costmodel/published.py`;
-# `tests/test_costmodel.py` fails when a prediction leaves its tolerance.
+# `tests/unit/test_costmodel.py` fails when a prediction leaves its tolerance.
 
 # %%
 rows_v = published.validate()
-display(Markdown("| case | published | mnjax model | tolerance | ok |\n|---|---|---|---|---|\n" + "\n".join(
-    f"| {r.name} ({r.source}) | {r.published} | {r.predicted:.3f} | {r.low}-{r.high} | {'yes' if r.ok else '**no**'} |"
-    for r in rows_v)))
+display(Markdown(
+    "| case | published | mnjax model | tolerance | ok |\n|---|---|---|---|---|\n"
+    + "\n".join(f"| {r.name} ({r.source}) | {r.published} | {r.predicted:.3f}"
+                f" | {r.low}-{r.high} | {'yes' if r.ok else '**no**'} |" for r in rows_v)))
 assert all(r.ok for r in rows_v)
 
 # %% [markdown]
@@ -236,7 +247,8 @@ for ax, (preset, w) in zip(axes, setups.items()):
     effs = step.scaling(w, base, ("two_dimensional",), GPUS, **opts)["two_dimensional"]
     ax.plot(GPUS, effs, "--", label=label)
     table[(preset, label)] = effs
-  ax.set(xscale="log", xlabel="GPUs", title=f"{base.name}: ResNet-50, {w.compute * 1e3:.0f} ms compute")
+  ax.set(xscale="log", xlabel="GPUs",
+         title=f"{base.name}: ResNet-50, {w.compute * 1e3:.0f} ms compute")
   ax.set_xticks(GPUS, [str(g) for g in GPUS])
   ax.grid(alpha=0.3)
 axes[0].set_ylabel("predicted weak-scaling efficiency")

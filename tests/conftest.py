@@ -1,6 +1,6 @@
 """Shared fixtures. The same tests run in one process (size 1) and under mpirun.
 
-`tests/test_mpirun.py` re-runs everything in `tests/distributed/` under `mpirun -n 2` and
+`tests/jobs/test_mpirun.py` re-runs everything in `tests/distributed/` under `mpirun -n 2` and
 `-n 3`; assertions there are written in terms of `comm.size`.
 """
 
@@ -9,7 +9,7 @@ import shutil
 import tempfile
 
 # Before jax is imported: two CPU devices per process (so the multi-device kinds run as
-# 1 x 2 here and as 2 x 2 and 3 x 2 under tests/test_mpirun.py, which inherits this), quiet
+# 1 x 2 here and as 2 x 2 and 3 x 2 under tests/jobs/test_mpirun.py, which inherits this), quiet
 # logs. `flat` uses the first device only.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -17,9 +17,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # launches: the ResNet jobs compile the same steps several times (start, resume).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mnjax-jax-cache-"))
 
-import pytest  # noqa: E402
+import pytest
 
-import mnjax  # noqa: E402
+import mnjax
 
 
 def _mpi_rank() -> str | None:

@@ -7,7 +7,7 @@ step, 30 epochs (also ``--config cifar10``). The data is prepared once with
 
 Time: a GPU run; not run here in full. On this project's 2-core CPU machine ResNet-18 at
 32 px trains at 8.6 img/s on 2 ranks (measured on mocked CIFAR-10), about 1.6 hours per
-epoch. tests/test_imagenet_job.py runs it on 32 mocked examples with 8 per step.
+epoch. tests/jobs/test_imagenet_job.py runs it on 32 mocked examples with 8 per step.
 """
 
 

@@ -1,4 +1,7 @@
-"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks,scaling,gpu} [--options]``; ``--help`` per benchmark."""
+"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks,scaling,gpu} [--options]``.
+
+``--help`` per benchmark.
+"""
 
 import sys
 

@@ -30,7 +30,8 @@ The second table reduces ResNet-50's 161 real parameter shapes (`launch.resnet50
 against raw MPI on one preallocated buffer (``raw_mpi_fused``; ``_in_place``: the same with
 ``MPI.IN_PLACE``) and raw MPI in place on one preallocated buffer per leaf
 (``raw_mpi_per_leaf``: leaf-sized messages stay in the CPU caches, which one 102 MB
-message does not, so this is the fair limit for a per-leaf plan): one mpi4jax call per leaf, one mnjax call per leaf (``bucket_bytes=1``),
+message does not, so this is the fair limit for a per-leaf plan): one mpi4jax call per leaf,
+one mnjax call per leaf (``bucket_bytes=1``),
 the platform's default plan (``mnjax_default``, `collectives.default_bucket_bytes`),
 buckets of several sizes, one fused buffer (``bucket_bytes=None``), and bf16 on the wire
 with one buffer and with the default buckets.
@@ -60,7 +61,8 @@ TUNED_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m mnjax.bench allreduce", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m mnjax.bench allreduce",
+                              description=__doc__.split("\n")[0])
   p.add_argument("--ranks", type=int, default=2)
   p.add_argument("--max_bytes", type=float, default=128 << 20, help="largest message")
   p.add_argument("--rounds", type=int, default=5)
@@ -126,12 +128,13 @@ def _sweep_fns(n: int, comm) -> tuple[dict, dict]:
   def tree_fn(**kw):
     return lambda t: allreduce_tree(t, comm, mean=False, **kw)
 
+  copy_fn, kept = jax.jit(tree_fn()), jnp.ones((n,))
   fns = {
       "raw_mpi": raw,
       "raw_mpi_in_place": raw_in_place,
       "mpi4jax": jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=mpi)),
       "mnjax_fp32": jax.jit(tree_fn(), donate_argnums=0),
-      "mnjax_fp32_copy": lambda _, f=jax.jit(tree_fn()), kept=jnp.ones((n,)): f(kept),
+      "mnjax_fp32_copy": lambda _: copy_fn(kept),
       "mnjax_bf16": jax.jit(tree_fn(wire_dtype=jnp.bfloat16), donate_argnums=0),
       "mnjax_fp16": jax.jit(tree_fn(wire_dtype=jnp.float16), donate_argnums=0),
       "bf16_exchange_only": jax.jit(
@@ -220,7 +223,8 @@ def _psum_worker(args) -> dict:
   comm = mnjax.create_communicator("xla")  # jax.distributed first: before JAX is used
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   mesh = comm.mesh
   sharding = NamedSharding(mesh, P(comm.axis_name))
@@ -242,13 +246,15 @@ def _psum_worker(args) -> dict:
 
 def _report(results: dict) -> None:
   ranks = results["mpi"]["ranks"]
-  psum = {row["bytes"]: row["seconds"]["jax_psum"] for row in results.get("psum", {}).get("sweep", [])}
+  psum = {row["bytes"]: row["seconds"]["jax_psum"]
+          for row in results.get("psum", {}).get("sweep", [])}
   methods = list(SWEEP) + (["jax_psum"] if psum else [])
   print(f"allreduce of one float32 buffer, {ranks} ranks; per method: time and ratio to raw_mpi"
         " (> 1 is faster); bus bandwidth for >= 1 MB")
   print(f"{'bytes':>11s} " + " ".join(f"{m:>20s}" for m in methods))
   for row in results["mpi"]["sweep"]:
-    secs = dict(row["seconds"], **({"jax_psum": psum[row["bytes"]]} if row["bytes"] in psum else {}))
+    secs = dict(row["seconds"],
+                **({"jax_psum": psum[row["bytes"]]} if row["bytes"] in psum else {}))
     raw = secs["raw_mpi"]
     cells = []
     for m in methods:
@@ -278,7 +284,7 @@ def measure(argv: list[str], *, timeout: float = 1800) -> dict:
     timeout: seconds each mpirun launch may take.
 
   Example:
-    >>> measure(["--max_bytes", "1e6", "--no_psum"])["mpi"]["sweep"][-1]["bytes"]
+    >>> measure(["--max_bytes", "1e6", "--no_psum"])["mpi"]["sweep"][-1]["bytes"]  # doctest: +SKIP
     1048576
   """
   import os
@@ -298,7 +304,6 @@ def measure(argv: list[str], *, timeout: float = 1800) -> dict:
 def main(argv):
   args = _parse(argv)
   if args.worker:
-    import mnjax
 
     result = (_mpi_worker if args.worker == "mpi" else _psum_worker)(args)
     import mpi4py.MPI as MPI

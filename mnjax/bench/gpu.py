@@ -8,7 +8,7 @@ On a GPU machine (written for one H200 and 16 cores, where the 2 ranks share the
 Estimated 5-7 minutes (not yet run on a GPU), most of it compiling ResNet-50; the whole
 run is time-boxed by ``--budget`` (450 s; each mpirun launch gets what is left, at most
 ``--timeout``, 300 s, and the ResNet launches leave 120 s to the allreduce sweep), so it ends
-within 8 minutes. On a CPU, the smoke size CI runs (tests/test_bench.py; 60-110 s on 2
+within 8 minutes. On a CPU, the smoke size CI runs (tests/jobs/test_bench.py; 60-110 s on 2
 cores)::
 
     .venv/bin/python -m mnjax.bench gpu --smoke
@@ -119,7 +119,7 @@ class _Clock:
       tail = error.stderr.decode() if isinstance(error.stderr, bytes) else error.stderr or ""
       return {"error": f"TimeoutExpired: the {name} launch ran past {timeout:.0f} s (--timeout,"
                        f" --budget); its stderr ended:\n{tail[-1500:]}"}
-    except Exception as error:  # a failing section is recorded; the run goes on
+    except Exception as error:  # noqa: BLE001 (a failing section is recorded; the run goes on)
       return {"error": f"{type(error).__name__}: {str(error)[-2000:]}"}
     finally:
       self.seconds[name] = round(time.monotonic() - start, 1)

@@ -88,8 +88,8 @@ def _collective_order(comm, images, labels) -> dict:
   import optax
 
   import mnjax
-  from mnjax.train._classifier import create_train_state, make_train_step
   from mnjax.models import SmallCNN
+  from mnjax.train._classifier import create_train_state, make_train_step
 
   tx = optax.chain(mnjax.allreduce_gradients(comm, bucket_bytes=BUCKET_BYTES), optax.adam(1e-3))
   state = create_train_state(SmallCNN(), tx, images[:1], jax.random.key(0))
@@ -106,7 +106,7 @@ def _collective_order(comm, images, labels) -> dict:
     text = step.trace(state, images, labels).lower(lowering_platforms=("cuda",)).as_text()
     result["cuda_lowered"] = [target for _, target in hlo_order.mpi_calls(text)]
     result["cuda_unchained_pairs"] = len(hlo_order.unchained(text))
-  except Exception as error:  # optional: JAX may refuse to lower for an absent platform
+  except Exception as error:  # noqa: BLE001 (optional: JAX may refuse an absent platform)
     result["cuda_lowered"] = f"error: {type(error).__name__}: {str(error)[:300]}"
   return result
 
@@ -121,7 +121,7 @@ def run(group: str, global_batch: int, scratch: str) -> dict | None:
     scratch: the folder where rank 0 saves the gradients for the driver.
 
   Example:
-    >>> run("mpi", 64, "/tmp/scratch")["gradients"]["flat"]["identical_on_all_ranks"]
+    >>> run("mpi", 64, scratch)["gradients"]["flat"]["identical_on_all_ranks"]  # doctest: +SKIP
     True
   """
   import mnjax

@@ -55,7 +55,7 @@ def unchained(text: str) -> list[tuple[str, str]]:
   call of a function that issues MPI; region-local names are scoped to their statement.
   """
   funcs = _functions(text)
-  issues = {name: any(_MPI.search(l) for l in lines) for name, lines in funcs.items()}
+  issues = {name: any(_MPI.search(line) for line in lines) for name, lines in funcs.items()}
   pairs = []
   for lines in funcs.values():
     statements = _statements(lines)
@@ -87,10 +87,10 @@ def _functions(text: str) -> dict[str, list[str]]:
 
 def _statements(lines: list[str]) -> list[tuple[str, set[str], str]]:
   """``(defined name, names it uses from outside, text)`` of each top-level statement."""
-  body = [l for l in lines if l.strip()]
+  body = [line for line in lines if line.strip()]
   if not body:
     return []
-  top = min(len(l) - len(l.lstrip()) for l in body)
+  top = min(len(line) - len(line.lstrip()) for line in body)
   groups: list[list[str]] = []
   for line in body:
     starts = len(line) - len(line.lstrip()) == top and not line.lstrip().startswith("}")
@@ -101,8 +101,8 @@ def _statements(lines: list[str]) -> list[tuple[str, set[str], str]]:
   out = []
   for group in groups:
     d = _DEF.match(group[0])
-    inner = {m.group(1) for l in group[1:] if (m := _DEF.match(l))}
-    uses = {u.split("#")[0] for l in group for u in _USE.findall(l)} - inner
+    inner = {m.group(1) for line in group[1:] if (m := _DEF.match(line))}
+    uses = {u.split("#")[0] for line in group for u in _USE.findall(line)} - inner
     name = d.group(1) if d else f"<line {len(out)}>"
     out.append((name, uses - {name}, "\n".join(group)))
   return out
@@ -137,15 +137,16 @@ def entry_units(text: str) -> list[str]:
   def has_mpi(name: str, seen=()) -> bool:
     if name not in holds:
       lines = comps.get(name, [])
-      holds[name] = any(_MPI.search(l) for l in lines) or any(
-          has_mpi(ref, seen + (name,)) for l in lines for ref in _USE.findall(l)
+      holds[name] = any(_MPI.search(line) for line in lines) or any(
+          has_mpi(ref, seen + (name,)) for line in lines for ref in _USE.findall(line)
           if ref in comps and ref not in seen and ref != name)
     return holds[name]
 
   units = []
   for line in comps.get(entry, []):
     d = _DEF.match(line)
-    if d and (_MPI.search(line) or any(ref in comps and has_mpi(ref) for ref in _USE.findall(line))):
+    calls = any(ref in comps and has_mpi(ref) for ref in _USE.findall(line))
+    if d and (_MPI.search(line) or calls):
       units.append(d.group(1))
   return units
 

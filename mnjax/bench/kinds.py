@@ -36,7 +36,8 @@ GROUPS = {"mpi": ("hierarchical", "two_dimensional"), "xla": ("xla",)}
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m mnjax.bench kinds", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m mnjax.bench kinds",
+                              description=__doc__.split("\n")[0])
   p.add_argument("--ranks", type=int, default=2)
   p.add_argument("--devices", type=int, default=2, help="emulated devices per process")
   p.add_argument("--batch_per_device", type=int, default=32)
@@ -57,8 +58,9 @@ def _worker(args) -> dict | None:
   import jax
   import optax
   from mpi4py import MPI
-  from mnjax.train._classifier import create_train_state, make_train_step
+
   from mnjax.models import SmallCNN
+  from mnjax.train._classifier import create_train_state, make_train_step
 
   data = mnjax.data.load_digits("train")
   comms = {"xla": xla} if args.worker == "xla" else {k: mnjax.create_communicator(k) for k in kinds}

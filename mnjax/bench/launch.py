@@ -19,7 +19,7 @@ def relaunch(benchmark: str, argv: list[str], *, ranks: int, bind: str = "core",
   cores steal time from each other while one waits in MPI (measured in mnjax.bench.step).
 
   Example:
-    >>> relaunch("step", ["--worker"], ranks=2)["efficiency"]
+    >>> relaunch("step", ["--worker"], ranks=2)["efficiency"]  # doctest: +SKIP
     0.97...
   """
   mpirun = Path(sys.executable).with_name("mpirun")
@@ -37,6 +37,7 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
   """ResNet-50's 161 parameter shapes (`mnjax.models.ResNet50`, 1000 classes), 25,557,032 floats.
 
   Example:
+    >>> import math
     >>> len(resnet50_shapes()), sum(math.prod(s) for s in resnet50_shapes())
     (161, 25557032)
   """

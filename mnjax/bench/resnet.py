@@ -96,7 +96,7 @@ def launch(args: argparse.Namespace, ranks: int, *, timeout: float = 1800) -> di
   """Seconds per step of each variant at `ranks` (1 or 2) ranks: one mpirun launch.
 
   Example:
-    >>> launch(parse_args(["--model", "resnet18"]), 2)
+    >>> launch(parse_args(["--model", "resnet18"]), 2)  # doctest: +SKIP
     {'allreduce': 0.41, 'allreduce_local_bn': 0.39, 'no_communication': 0.33}
   """
   common = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("worker", "out", "bind")]
@@ -108,8 +108,10 @@ def summarize(args: argparse.Namespace, one: dict[str, float], two: dict[str, fl
   """The benchmark's figures from the 1-rank and 2-rank seconds per step (`launch`).
 
   Example:
-    >>> summarize(args, launch(args, 1), launch(args, 2))["weak_scaling_efficiency"]
-    0.93
+    >>> one = {"plain": 0.30, "mnjax": 0.31}      # seconds per step, from launch(args, 1)
+    >>> two = {"allreduce": 0.40, "allreduce_local_bn": 0.38, "no_communication": 0.33}
+    >>> round(summarize(parse_args([]), one, two)["weak_scaling_efficiency"], 3)
+    0.775
   """
   ips = lambda seconds, ranks: ranks * args.batch_per_rank / seconds  # noqa: E731
   return {

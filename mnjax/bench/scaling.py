@@ -25,7 +25,8 @@ from pathlib import Path
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m mnjax.bench scaling", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m mnjax.bench scaling",
+                              description=__doc__.split("\n")[0])
   p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3, 4])
   p.add_argument("--batch_per_rank", type=int, default=32)
   p.add_argument("--steps", type=int, default=30, help="steps per timed round")

@@ -10,10 +10,10 @@
    ``mpirun -n 2``; both ranks alternate rounds of the step with `allreduce_gradients` and
    of the same step with no communication. Efficiency = throughput with allreduce /
    throughput without. Goal: >= 0.95. The naive baseline (``mpi4jax.allreduce`` with its
-   ordered effect, on a concatenated buffer) runs in the same rounds. Ranks are bound to cores (``--bind-to core``, as on
-   a cluster): unbound, the two ranks' threads migrate between the two cores and a rank
-   that waits in MPI steals time from the one still computing (measured 0.80-0.86
-   unbound vs 0.92-1.0 bound on the same 2-core machine).
+   ordered effect, on a concatenated buffer) runs in the same rounds. Ranks are bound to
+   cores (``--bind-to core``, as on a cluster): unbound, the two ranks' threads migrate
+   between the two cores and a rank that waits in MPI steals time from the one still
+   computing (measured 0.80-0.86 unbound vs 0.92-1.0 bound on the same 2-core machine).
 
 Rounds alternate between the variants so that machine noise hits both alike; each round's
 time is the slowest rank's (the job moves at the pace of its slowest replica), and the

@@ -39,8 +39,16 @@ class LoopCheckpoints:
     settings: values a resumed run must share with the saved one (see `Checkpointer`).
 
   Example:
+    >>> state = {"w": jnp.zeros(3)}                     # e.g. a flax TrainState
     >>> checkpoints = LoopCheckpoints("runs/x/checkpoints", comm, resume=True)
     >>> state, sums, epoch, batch = checkpoints.start(state, {"loss_sum": 0.0, "count": 0})
+    >>> epoch, batch                                      # nothing saved yet
+    (1, 0)
+    >>> checkpoints.save(10, state, {"loss_sum": 2.5, "count": 10}, epoch=1, batch=10)
+    >>> checkpoints.close()
+    >>> again = LoopCheckpoints("runs/x/checkpoints", comm, resume=True)  # a restarted job
+    >>> again.start(state, sums)[1:]
+    ({'count': 10, 'loss_sum': 2.5}, 1, 10)
   """
 
   def __init__(self, directory: str, comm: Communicator, *, resume: bool, keep: int = 3,
@@ -69,7 +77,8 @@ class LoopCheckpoints:
     if step == self._last_step:
       return
     self._last_step = step
-    self.checkpointer.save(step, {"train": state, "sums": host.allreduce(sums, self.comm, caller="LoopCheckpoints.save")},
+    totals = host.allreduce(sums, self.comm, caller="LoopCheckpoints.save")
+    self.checkpointer.save(step, {"train": state, "sums": totals},
                            meta={"epoch": epoch, "batch": batch})
 
   def close(self) -> None:

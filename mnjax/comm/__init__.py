@@ -19,7 +19,11 @@ Example::
 """
 
 from mnjax.comm._collectives import (
-    DEFAULT_BUCKET_BYTES, allreduce_tree, bucket_bytes_from_mb, default_bucket_bytes)
+    DEFAULT_BUCKET_BYTES,
+    allreduce_tree,
+    bucket_bytes_from_mb,
+    default_bucket_bytes,
+)
 from mnjax.comm._communicator import KINDS, Communicator, check_communicator, create_communicator
 from mnjax.comm._failfast import abort
 from mnjax.comm._failfast import install as install_abort_on_error

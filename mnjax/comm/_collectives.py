@@ -48,7 +48,7 @@ def default_bucket_bytes(comm: Communicator) -> int:
   GPU, 4 MiB, from the cost model until a GPU measures it:
   `mnjax.costmodel.step.best_bucket_bytes` for ResNet-50 on 8 and 1024 H200s (NDR),
   ``flat`` and ``xla``, with an assumed 30 us per call (a stream synchronisation and host
-  staging in mpi4jax's CUDA handler), picks 4 MiB (tests/test_costmodel.py checks that they
+  staging in mpi4jax's CUDA handler), picks 4 MiB (tests/unit/test_costmodel.py checks that they
   agree); the margins are small (under 0.5% of a 12 ms step between 1 and 16 MiB).
 
   Example:

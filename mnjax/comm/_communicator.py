@@ -23,7 +23,7 @@ from mnjax.comm import _cuda_mpi as cuda_mpi
 from mnjax.comm import _devices as devices_lib
 from mnjax.comm import _failfast as failfast
 
-__all__ = ["Communicator", "create_communicator", "KINDS", "check_communicator", "resolve_kind"]
+__all__ = ["KINDS", "Communicator", "check_communicator", "create_communicator", "resolve_kind"]
 
 #: Every communicator kind mnjax knows, with what it does (README, "Communicator kinds").
 KINDS: dict[str, str] = {
@@ -70,7 +70,9 @@ class Communicator:
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
-    >>> per_rank = global_batch // comm.size; is_logger = comm.is_root
+    >>> comm.kind, comm.rank < comm.size, comm.num_replicas % comm.size
+    ('flat', True, 0)
+    >>> per_rank_batch = 256 // comm.size          # e.g. of a global batch of 256
   """
 
   kind: str
@@ -126,6 +128,8 @@ def check_communicator(comm: Any, caller: str) -> Communicator:
 
   Example:
     >>> check_communicator(None, "allreduce_gradients")
+    Traceback (most recent call last):
+    ...
     TypeError: allreduce_gradients needs an mnjax Communicator as its first argument, ...
   """
   if not isinstance(comm, Communicator):

@@ -39,8 +39,8 @@ def configure(environ=os.environ) -> bool:
   library says it is not CUDA-aware. Idempotent.
 
   Example:
-    >>> os.environ["MPI4JAX_USE_CUDA_MPI"] = "0"   # the mpich wheel: copy through the host
-    >>> configure()
+    >>> os.environ["MPI4JAX_USE_CUDA_MPI"] = "0"  # mpich wheel: via the host  # doctest: +SKIP
+    >>> configure()                               # on a GPU machine  # doctest: +SKIP
     False
   """
   global _configured

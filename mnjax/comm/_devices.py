@@ -10,8 +10,8 @@ device (``jax_default_device``).
 
 The rules (`plan_devices`, a pure function, unit-tested for the usual GPU layouts):
 
-* A GPU is known by its UUID (MIG slices apart), read from the CUDA driver without creating a context
-  (`gpu_inventory`). Processes on one node compare what they see: *shared* visibility (every
+* A GPU is known by its UUID (MIG slices apart), read from the CUDA driver without creating a
+  context (`gpu_inventory`). Processes on one node compare what they see: *shared* visibility (every
   process sees the same GPUs: plain ``mpirun``) or *private* (the launcher gave each its own,
   e.g. ``srun --gpus-per-task=1``, where every task sees its one GPU as ordinal 0).
 * ``flat`` (one device per process): shared: node-local rank *i* drives GPU *i*; private:
@@ -33,7 +33,7 @@ import dataclasses
 import importlib.util
 import os
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["Layout", "gpu_inventory", "plan_devices"]
 
@@ -105,7 +105,8 @@ def plan_devices(kind: str, layout: Layout, *, requested: int | None = None,
 
   if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)
                                 or requested < 1):
-    raise ValueError(f"create_communicator: local_devices must be a positive int, got {requested!r}.")
+    raise ValueError(
+        f"create_communicator: local_devices must be a positive int, got {requested!r}.")
   if layout.platform == "cpu" or not layout.shared or layout.intra_size == 1:
     n = layout.visible if requested is None else requested
     if n > layout.visible:
@@ -194,12 +195,13 @@ def restrict_visible(ordinals: Sequence[int], sharers: int) -> None:
   the preallocated memory fraction between them (unless the user set it).
 
   Example:
-    >>> restrict_visible((3,), sharers=1)   # node-local rank 3: JAX opens GPU 3 only
+    >>> restrict_visible((3,), sharers=1)  # node-local rank 3: opens GPU 3  # doctest: +SKIP
   """
   import jax  # noqa: PLC0415
 
   jax.config.update("jax_cuda_visible_devices", ",".join(str(o) for o in ordinals))
-  if sharers > 1 and not {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"} & set(os.environ):
+  fractions = {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"}
+  if sharers > 1 and not fractions & set(os.environ):
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.75 / sharers:.3f}"
 
 
@@ -207,7 +209,12 @@ def warn_opened_others(driven: int, opened: int) -> None:
   """JAX started before mnjax chose: it holds memory on GPUs this process does not drive.
 
   Example:
-    >>> warn_opened_others(driven=1, opened=8)   # RuntimeWarning with the fix
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   warn_opened_others(driven=1, opened=8)
+    >>> caught[0].category.__name__, str(caught[0].message)
+    ('RuntimeWarning', 'mnjax: JAX started before create_communicator and opened 8 GPUs, ...')
   """
   warnings.warn(
       f"mnjax: JAX started before create_communicator and opened {opened} GPUs, of which"
@@ -224,12 +231,13 @@ def agree(comm, fn, *args):
   (naming the ranks), so that no rank goes on into a collective the others never reach.
 
   Example:
+    >>> layout = Layout("gpu", 8, intra_rank=1, intra_size=8, shared=True)
     >>> agree(comm.mpi_comm, plan_devices, "flat", layout)   # raises on every rank, or (i,)
     (1,)
   """
   try:
     result, failure = fn(*args), None
-  except Exception as error:  # any failure on one rank must reach every rank
+  except Exception as error:  # noqa: BLE001 (any failure on one rank must reach every rank)
     result, failure = None, (type(error).__name__, f"{error}")
   failures = comm.allgather(failure)
   failed = [r for r, f in enumerate(failures) if f is not None]
@@ -248,9 +256,12 @@ def choose_devices(kind: str, requested: int | None, share: bool, clone, node, *
   any rank is raised on all of them.
 
   Example:
-    >>> choose_devices("flat", None, False, clone, node, started=False,
+    >>> choose_devices("flat", None, False, comm.mpi_comm, comm.mpi_comm, started=True,
+    ...                start_distributed=lambda ids: None)   # one rank, on a CPU
+    (CpuDevice(id=0),)
+    >>> choose_devices("flat", None, False, clone, node, started=False,  # doctest: +SKIP
     ...                start_distributed=lambda ids: None)   # node-local rank 1 of 8 GPUs
-    (CudaDevice(id=1),)                                       # JAX opened GPU 1 only
+    (CudaDevice(id=1),)
   """
   import jax  # noqa: PLC0415
 
@@ -315,8 +326,9 @@ def _cpu_devices() -> list:
 
   try:
     available = jax.local_devices()
-  except Exception as error:  # e.g. JAX_PLATFORMS=cuda where no GPU is usable (jax 0.10.2:
-    # a RuntimeError with the plugin installed, a bare AssertionError without it)
+  except Exception as error:  # noqa: BLE001 (re-raised below with the fix)
+    # e.g. JAX_PLATFORMS=cuda where no GPU is usable (jax 0.10.2: a RuntimeError with the
+    # plugin installed, a bare AssertionError without it)
     raise ValueError(
         f"create_communicator: JAX could not start its backend ({type(error).__name__}:"
         f" {error}; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}). If a GPU was"

@@ -34,7 +34,7 @@ def abort(message: str, *, errorcode: int = 1, grace: float = 0.0) -> None:
   ``MPI.COMM_WORLD``.
 
   Example:
-    >>> abort("rank 3: data shard missing")   # never returns
+    >>> abort("rank 3: data shard missing")   # never returns  # doctest: +SKIP
   """
   sys.stderr.write(message if message.endswith("\n") else message + "\n")
   sys.stderr.flush()
@@ -72,7 +72,7 @@ def installed() -> bool:
   """True when uncaught exceptions abort the job.
 
   Example:
-    >>> mnjax.comm._failfast.installed()
-    True
+    >>> mnjax.comm._failfast.installed()   # a size-1 job: nobody waits for it
+    False
   """
   return sys.excepthook is _hook

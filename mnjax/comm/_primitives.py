@@ -187,7 +187,7 @@ def _gpu(target, attrs):
   recomputed from it), so the MPI call cannot start before the previous collective's result
   exists, whatever schedule XLA:GPU picks on each rank (tokens minted per call order
   nothing, and mpi4jax's handler takes no extra operand). Checked on the HLO lowered for
-  ``cuda`` by tests/test_lowering.py; mnjax's payloads are floats (integer ones would
+  ``cuda`` by tests/unit/test_primitives.py; mnjax's payloads are floats (integer ones would
   travel untied).
   """
   def rule(ctx, x, after, **params):

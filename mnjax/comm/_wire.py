@@ -31,7 +31,8 @@ in float32, which only tightens it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +80,7 @@ def error_bound(abs_sum: Any, replicas: int, wire_dtype: Any, *, mean: bool = Tr
     mean: the bound for the mean (default) or for the sum.
 
   Example:
-    >>> error_bound(4.0, 2, jnp.bfloat16)   # mean of two values with |x0| + |x1| = 4
+    >>> float(error_bound(4.0, 2, jnp.bfloat16))   # mean of two values, |x0| + |x1| = 4
     0.015625...
   """
   dtype = np.dtype(wire_dtype)
@@ -109,8 +110,12 @@ def half_allreduce(
   when `parts` divides the length.
 
   Example:
-    >>> half_allreduce(buf, jnp.bfloat16, comm.size,
-    ...                lambda x: mpi_ops.alltoall(x, c), lambda x: mpi_ops.allgather(x, c))
+    >>> from mnjax.comm import _primitives as mpi
+    >>> c = comm.device_comm
+    >>> total = jax.jit(lambda buf: half_allreduce(buf, jnp.bfloat16, comm.size,
+    ...     lambda x: mpi.alltoall(x, c), lambda x: mpi.allgather(x, c)))(jnp.full(5, 1.5))
+    >>> total.dtype, total.tolist() == [1.5 * comm.size] * 5
+    (dtype(bfloat16), True)
   """
   n = buf.size
   pad = (-n) % parts

@@ -1,7 +1,7 @@
 """Published scaling results, with the model's inputs for each and where every input comes from.
 
 `validate()` runs the model on each case and returns the predicted and published figures
-side by side; ``tests/test_costmodel.py`` requires every prediction inside its tolerance
+side by side; ``tests/unit/test_costmodel.py`` requires every prediction inside its tolerance
 before the notebooks use the model to predict anything.
 
 Inputs marked "assumed" are not stated in the sources; the figure used is a typical one for
@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from mnjax.costmodel import allreduce, hardware as hw
+from mnjax.costmodel import allreduce
+from mnjax.costmodel import hardware as hw
 from mnjax.costmodel.step import RESNET50, RESNET101, Software, Workload, efficiency, step_time
 
 # The fraction of overlapped communication time that still lands on the step (stacks of

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -57,10 +57,13 @@ class Watchdog:
       ``MPI_Abort``, through `mnjax.comm.abort`).
 
   Example:
+    >>> state = 0
     >>> with mnjax.Watchdog(comm, timeout=300) as watchdog:
-    ...   for step, batch in enumerate(batches):
+    ...   for step in range(3):
     ...     watchdog.step(step)
-    ...     state, metrics = train_step(state, batch)
+    ...     state = state + 1            # state, metrics = train_step(state, batch)
+    >>> state
+    3
   """
 
   def __init__(self, comm: Communicator, *, timeout: float = 300.0,
@@ -96,7 +99,7 @@ class Watchdog:
     """Records that this rank has reached step `n` (call it once per step, any thread)."""
     self._step = int(n)
 
-  def start(self) -> "Watchdog":
+  def start(self) -> Watchdog:
     """Starts the thread (local). Returns self."""
     if self._mpi is not None and self._thread is None:
       target = self._monitor if self.comm.rank == 0 else self._report
@@ -117,7 +120,7 @@ class Watchdog:
     MPI.Request.Waitall(self._requests)  # small messages: complete locally at once
     self._requests = []
 
-  def __enter__(self) -> "Watchdog":
+  def __enter__(self) -> Watchdog:
     return self.start()
 
   def __exit__(self, *exc) -> None:

@@ -20,7 +20,8 @@ The CIFAR stem (``stem="cifar"``) is one 3x3 stride-1 convolution without max po
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -97,8 +98,13 @@ class ResNet(nn.Module):
 
   Example:
     >>> model = ResNet18(num_classes=10, stem="cifar")
-    >>> variables = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
-    >>> logits, new = model.apply(variables, images, train=True, mutable=["batch_stats"])
+    >>> x = jnp.zeros((1, 32, 32, 3))
+    >>> shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
+    >>> sorted(shapes), sum(p.size for p in jax.tree.leaves(shapes["params"]))
+    (['batch_stats', 'params'], 11173962)
+    >>> variables = model.init(jax.random.key(0), x, train=False)  # doctest: +SKIP
+    >>> logits, new = model.apply(  # doctest: +SKIP
+    ...     variables, images, train=True, mutable=["batch_stats"])
   """
 
   stage_sizes: Sequence[int]

@@ -40,10 +40,10 @@ import threading
 from typing import Any
 
 import flax.linen as nn
-from flax.linen import dtypes as flax_dtypes
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import dtypes as flax_dtypes
 from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
 
 from mnjax.comm._collectives import sum_buffer
@@ -74,7 +74,13 @@ class SyncBatchNorm(nn.Module):
   Example:
     >>> norm = functools.partial(mnjax.SyncBatchNorm, comm)
     >>> model = mnjax.models.ResNet50(norm=norm)      # every BN layer synchronized
-    >>> logits, new = model.apply(variables, images, train=True, mutable=["batch_stats"])
+    >>> logits, new = model.apply(  # doctest: +SKIP
+    ...     variables, images, train=True, mutable=["batch_stats"])
+    >>> layer = mnjax.SyncBatchNorm(comm, use_running_average=False)   # or one layer
+    >>> x = jnp.arange(8.0).reshape(4, 2)            # this rank's 4 examples
+    >>> y, new = layer.apply(layer.init(jax.random.key(0), x), x, mutable=["batch_stats"])
+    >>> y.mean(axis=0).round(6).tolist()             # normalised over the global batch
+    [0.0, 0.0]
   """
 
   comm: Communicator

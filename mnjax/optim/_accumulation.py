@@ -48,8 +48,11 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int
   Example:
     >>> tx = mnjax.accumulate_gradients(
     ...     optax.chain(mnjax.allreduce_gradients(comm), optax.sgd(0.1)), every_k=4)
+    >>> params = {"w": jnp.ones(3)}
     >>> state = tx.init(params)
-    >>> updates, state = tx.update(grads, state, params)   # inside the jitted step
+    >>> updates, state = tx.update({"w": jnp.ones(3)}, state, params)  # in the jitted step
+    >>> updates["w"].tolist(), int(state.micro_step)    # nothing until the 4th micro-step
+    ([0.0, 0.0, 0.0], 1)
   """
   if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
     raise ValueError(

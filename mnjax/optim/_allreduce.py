@@ -31,9 +31,9 @@ from typing import Any
 import optax
 
 from mnjax.comm import _collectives as collectives
-from mnjax.guard import _preflight as preflight
 from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import check_communicator
+from mnjax.guard import _preflight as preflight
 
 __all__ = ["allreduce_gradients"]
 
@@ -74,12 +74,18 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
     >>> comm = mnjax.create_communicator("flat")
     >>> tx = optax.chain(mnjax.allreduce_gradients(comm, wire_dtype=jnp.bfloat16),
     ...                  optax.sgd(0.1, momentum=0.9))
+    >>> def loss_fn(params, x):
+    ...   return jnp.mean((x @ params["w"]) ** 2)
+    >>> params = {"w": jnp.ones(3)}
     >>> opt_state = tx.init(params)
     >>> @jax.jit
     ... def step(params, opt_state, batch):
     ...   grads = jax.grad(loss_fn)(params, batch)
     ...   updates, opt_state = tx.update(grads, opt_state, params)
     ...   return optax.apply_updates(params, updates), opt_state
+    >>> params, opt_state = step(params, opt_state, jnp.ones((4, 3)))
+    >>> [round(w, 3) for w in params["w"].tolist()]     # 1 - 0.1 x the mean gradient, 6
+    [0.4, 0.4, 0.4]
   """
   caller = "allreduce_gradients"
   check_communicator(comm, caller)

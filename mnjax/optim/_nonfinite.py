@@ -67,9 +67,11 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
   Example:
     >>> tx = optax.chain(mnjax.allreduce_gradients(comm),
     ...                  mnjax.skip_nonfinite(optax.sgd(0.1, momentum=0.9)))
+    >>> params = {"w": jnp.ones(3)}
     >>> opt_state = tx.init(params)
-    >>> int(opt_state[1].skipped)
-    0
+    >>> updates, opt_state = tx.update({"w": jnp.full(3, jnp.inf)}, opt_state, params)
+    >>> updates["w"].tolist(), int(opt_state[1].skipped)
+    ([0.0, 0.0, 0.0], 1)
   """
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(
@@ -103,15 +105,27 @@ def raise_if_diverging(opt_state: Any, max_consecutive_skips: int) -> None:
   step's state, so that the check overlaps the step in flight instead of stalling it.
 
   Example:
-    >>> previous = state
-    >>> state, metrics = train_step(state, batch)
-    >>> mnjax.raise_if_diverging(previous.opt_state, max_consecutive_skips=10)
+    >>> tx = mnjax.skip_nonfinite(optax.sgd(0.1))
+    >>> params = {"w": jnp.ones(3)}
+    >>> opt_state = tx.init(params)
+    >>> _, opt_state = tx.update({"w": jnp.full(3, jnp.nan)}, opt_state, params)  # skipped
+    >>> mnjax.raise_if_diverging(opt_state, max_consecutive_skips=10)   # one skip: fine
+    >>> mnjax.raise_if_diverging(opt_state, max_consecutive_skips=0)
+    Traceback (most recent call last):
+    ...
+    FloatingPointError: mnjax: 1 consecutive steps had non-finite (NaN or Inf) gradients ...
+
+    In a training loop, check the previous step's state while the next one runs:
+
+    >>> previous = state                                  # doctest: +SKIP
+    >>> state, metrics = train_step(state, batch)         # doctest: +SKIP
+    >>> mnjax.raise_if_diverging(previous.opt_state, max_consecutive_skips=10)  # doctest: +SKIP
   """
   if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 0:
     raise ValueError("raise_if_diverging: max_consecutive_skips must be an int >= 0, got"
                      f" {max_consecutive_skips!r}.")
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SkipNonFiniteState))
-           if isinstance(s, SkipNonFiniteState)]
+  leaves = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SkipNonFiniteState))
+  found = [s for s in leaves if isinstance(s, SkipNonFiniteState)]
   if not found:
     raise ValueError("raise_if_diverging: opt_state holds no skip_nonfinite state; wrap the"
                      " optimizer in mnjax.skip_nonfinite(...).")

@@ -21,17 +21,28 @@ compose them with ``mnjax.allreduce_gradients`` as usual:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["blend_schedule", "RmspropWarmupState", "rmsprop_warmup", "decay_mask", "goyal_schedule", "goyal_sgd", "lars", "linear_scaling",
-           "smoothed_cross_entropy"]
+__all__ = [
+  "RmspropWarmupState",
+  "blend_schedule",
+  "decay_mask",
+  "goyal_schedule",
+  "goyal_sgd",
+  "lars",
+  "linear_scaling",
+  "rmsprop_warmup",
+  "smoothed_cross_entropy",
+]
 
 
-def linear_scaling(global_batch_size: int, base_lr: float = 0.1, base_batch_size: int = 256) -> float:
+def linear_scaling(global_batch_size: int, base_lr: float = 0.1,
+                   base_batch_size: int = 256) -> float:
   """The linear scaling rule: ``base_lr x global_batch_size / base_batch_size``.
 
   Example:
@@ -63,8 +74,8 @@ def goyal_schedule(global_batch_size: int, steps_per_epoch: int, *, base_lr: flo
 
   Example:
     >>> sched = goyal_schedule(8192, steps_per_epoch=156)
-    >>> float(sched(0)), float(sched(5 * 156)), float(sched(30 * 156))
-    (0.1, 3.2, 0.32)
+    >>> [round(float(sched(step)), 4) for step in (0, 5 * 156, 30 * 156)]
+    [0.1, 3.2, 0.32]
   """
   if steps_per_epoch < 1:
     raise ValueError(f"goyal_schedule: steps_per_epoch must be >= 1, got {steps_per_epoch}.")
@@ -116,7 +127,8 @@ def lars(learning_rate: optax.ScalarOrSchedule, *, weight_decay: float = 1e-4,
                     momentum=momentum)
 
 
-def smoothed_cross_entropy(logits: jax.Array, labels: jax.Array, smoothing: float = 0.1) -> jax.Array:
+def smoothed_cross_entropy(logits: jax.Array, labels: jax.Array,
+                           smoothing: float = 0.1) -> jax.Array:
   """Per-example cross-entropy against labels smoothed by `smoothing` (0: plain one-hot).
 
   Example:

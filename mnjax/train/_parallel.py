@@ -64,9 +64,17 @@ def data_parallel(
     over ``comm.local_device_count`` devices (a `ValueError` says so before anything runs).
 
   Example:
-    >>> comm = mnjax.create_communicator("hierarchical")   # 2 processes x 2 devices
-    >>> step = mnjax.data_parallel(train_step_fn, comm, batch_argnums=(1, 2))
-    >>> state, metrics = step(state, images, labels)        # images: this process's batch
+    >>> comm = mnjax.create_communicator("hierarchical")   # this process's devices
+    >>> def step_fn(total, x):                              # one device's share of x
+    ...   return total + mnjax.comm.allreduce_tree(x.sum(), comm, mean=False), x.sum()
+    >>> step = mnjax.data_parallel(step_fn, comm, batch_argnums=(1,), per_device_outputs=(1,))
+    >>> x = jnp.arange(4.0 * comm.local_device_count)     # this process's batch
+    >>> total, per_device = step(jnp.zeros(()), x)
+    >>> float(total) == comm.size * float(x.sum()), per_device.shape == (comm.local_device_count,)
+    (True, True)
+
+    A training step: ``step = mnjax.data_parallel(train_step, comm, batch_argnums=(1, 2))``,
+    then ``state, metrics = step(state, images, labels)`` with this process's batch.
   """
   check_communicator(comm, "data_parallel")
   batch_argnums = _positions(batch_argnums, "batch_argnums", "step argument")

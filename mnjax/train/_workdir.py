@@ -10,7 +10,7 @@ from typing import Any
 
 from mnjax.comm._communicator import Communicator
 
-__all__ = ["write_config", "MetricsLog", "save_params"]
+__all__ = ["MetricsLog", "save_params", "write_config"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -25,7 +25,10 @@ def write_config(workdir: str, config: Any, comm: Communicator) -> None:
   """Writes ``<workdir>/config.json`` (a dataclass or dict, plus the topology) on rank 0.
 
   Example:
-    >>> write_config("runs/digits", config, comm)
+    >>> write_config("runs/digits", {"learning_rate": 0.1, "batch_size": 64}, comm)
+    >>> with open("runs/digits/config.json") as f:
+    ...   sorted(json.load(f))
+    ['batch_size', 'learning_rate', 'topology']
   """
   if not comm.is_root:
     return
@@ -70,8 +73,11 @@ def save_params(workdir: str, params: Any, comm: Communicator, name: str = "para
   """Writes a parameter pytree as ``<workdir>/params.npz`` (rank 0), keys ``a/b/c``.
 
   Example:
-    >>> save_params("runs/digits", state.params, comm)
+    >>> save_params("runs/digits", {"Dense_0": {"kernel": jnp.ones((2, 3))}}, comm)
     'runs/digits/params.npz'
+    >>> with np.load("runs/digits/params.npz") as saved:
+    ...   sorted(saved)
+    ['Dense_0/kernel']
   """
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415

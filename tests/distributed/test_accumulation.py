@@ -48,7 +48,8 @@ def test_micro_steps_equal_one_large_batch_step_and_communicate_once(comm):
     jax.block_until_ready(new)
     calls.append(native.allreduce_calls() - before)
     if k < K - 1:  # nothing applied, nothing exchanged yet
-      assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)))
+      assert all(np.array_equal(a, b)
+                 for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)))
     params = new
   assert calls == [0] * (K - 1) + [0 if comm.size == 1 else 1]
 

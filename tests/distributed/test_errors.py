@@ -28,7 +28,8 @@ def test_global_batch_not_divisible_by_ranks(comm):
 
 def test_dataset_smaller_than_number_of_ranks(comm):
   view = comm if comm.size > 1 else dataclasses.replace(comm, size=2)
-  with pytest.raises(ValueError, match=rf"{view.size - 1} examples cannot be split over {view.size} ranks"):
+  with pytest.raises(ValueError,
+                     match=rf"{view.size - 1} examples cannot be split over {view.size} ranks"):
     mnjax.scatter_index(view.size - 1, view)
   with pytest.raises(ValueError, match="cannot be split"):
     mnjax.scatter_dataset(list(range(view.size - 1)), view)
@@ -47,7 +48,8 @@ def test_unknown_communicator_kind(comm):
 
 
 def test_allreduce_gradients_without_communicator(comm):
-  with pytest.raises(TypeError, match=r"needs an mnjax Communicator.*got NoneType.*create_communicator"):
+  with pytest.raises(TypeError,
+                     match=r"needs an mnjax Communicator.*got NoneType.*create_communicator"):
     mnjax.allreduce_gradients(None)
   with pytest.raises(TypeError, match="needs an mnjax Communicator"):
     mnjax.allreduce_gradients(comm.mpi_comm)  # a raw MPI communicator is not enough

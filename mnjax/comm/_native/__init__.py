@@ -66,11 +66,11 @@ def build(force: bool = False) -> Path:
 
   Example:
     >>> mnjax.comm._native.build()
-    PosixPath('.../mnjax/native/_mpi_collectives.so')
+    PosixPath('.../mnjax/comm/_native/_mpi_collectives.so')
   """
   if not force and not is_stale():
     return LIBRARY
-  from jax import ffi
+  from jax import ffi  # noqa: PLC0415 (the counters and is_stale work without importing jax)
 
   tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
   cmd = [_compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{ffi.include_dir()}",
@@ -96,7 +96,10 @@ def allreduce_calls() -> int:
   A cheap runtime count for proving that a step issued no collective.
 
   Example:
-    >>> before = mnjax.comm._native.allreduce_calls(); step(...); mnjax.comm._native.allreduce_calls() - before
+    >>> step = jax.jit(lambda v: mnjax.comm._primitives.allreduce_sum(v, comm.device_comm))
+    >>> before = mnjax.comm._native.allreduce_calls()
+    >>> _ = jax.block_until_ready(step(jnp.ones(3)))    # one in-step allreduce
+    >>> mnjax.comm._native.allreduce_calls() - before
     1
   """
   fn = _library().mnjax_allreduce_calls
@@ -110,8 +113,9 @@ def collective_counts() -> tuple[int, int]:
   (`mnjax.Watchdog` compares these across ranks to name the ranks that never came).
 
   Example:
-    >>> mnjax.comm._native.collective_counts()
-    (42, 42)
+    >>> entered, completed = mnjax.comm._native.collective_counts()
+    >>> entered == completed     # no collective is waiting for its peers
+    True
   """
   lib = _library()
   entered, completed = lib.mnjax_collectives_entered, lib.mnjax_collectives_completed
@@ -127,7 +131,7 @@ def handlers() -> dict:
     >>> for name, capsule in mnjax.comm._native.handlers().items():
     ...   jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   """
-  from jax import ffi
+  from jax import ffi  # noqa: PLC0415 (the counters and is_stale work without importing jax)
 
   lib = _library()
   return {name: ffi.pycapsule(getattr(lib, name)) for name in TARGETS}

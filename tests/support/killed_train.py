@@ -1,5 +1,5 @@
 """experiments/train.py, with one rank SIGKILLed at a given step: ``killed_train.py RANK STEP
-[train.py flags]``. tests/test_resume.py resumes the run and compares it with one that was
+[train.py flags]``. tests/jobs/test_resume.py resumes the run and compares it with one that was
 never interrupted."""
 
 import os

@@ -1,47 +1,19 @@
-"""What a script ported from flax's pmap examples relies on: JAX's process view, loss scaling.
+"""dynamic_loss_scale (flax's DynamicScale, agreed by every rank): what a script ported from
+flax's fp16 pmap examples relies on.
 
 Runs in one process and under mpirun (2 and 3 ranks): assertions are written in `comm.size`.
 """
 
 import hashlib
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from mpi4py import MPI
 
 import mnjax
 from mnjax.optim import dynamic_loss_scale, loss_scale_state
-
-# -- jax.process_index() under the MPI kinds -------------------------------------------------
-
-@pytest.mark.parametrize("kind", ["flat", "hierarchical"])
-def test_rank_zero_warns_once_that_jax_process_index_is_not_the_rank(kind):
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    kc = mnjax.create_communicator(kind)
-  noted = [w for w in caught if str(w.message).startswith("mnjax: jax.process_index()")]
-  # The MPI kinds do not start jax.distributed: JAX sees one process on every rank.
-  assert (jax.process_index(), jax.process_count()) == (0, 1)
-  assert len(noted) == (1 if kc.size > 1 and kc.is_root else 0)
-  if noted:
-    message = str(noted[0].message)
-    assert f"in this {kc.size}-process job" in message
-    assert "comm.rank for jax.process_index()" in message and "comm.is_root" in message
-    assert noted[0].category is UserWarning and noted[0].filename == __file__
-  # The mapping the warning gives: comm.rank / comm.size are the process index / count.
-  ranks = sorted(kc.mpi_comm.allgather(kc.rank))
-  assert ranks == list(range(kc.size)) == list(range(MPI.COMM_WORLD.size))
-
-
-def test_a_single_process_does_not_warn():
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    assert mnjax.create_communicator("flat", MPI.COMM_SELF).size == 1
-
 
 # -- dynamic loss scaling (flax's DynamicScale) ----------------------------------------------
 

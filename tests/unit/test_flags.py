@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import REPO
+from support.launch import REPO
 
 from mnjax.train import RunConfig, check_fields, flag, load_config, parse_flags
 

@@ -4,8 +4,9 @@ devices per process): node-local ranks, node counts, device selection and every 
 import re
 
 import pytest
+from support.launch import run_mpi
 
-from launch import run_mpi
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 RANKS = 4
 ENV = {"MNJAX_EMULATE_NODES": "2", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -14,7 +15,7 @@ ENV = {"MNJAX_EMULATE_NODES": "2", "XLA_FLAGS": "--xla_force_host_platform_devic
 # xla starts jax.distributed, which reroutes every CPU collective of its process: own launch.
 @pytest.mark.parametrize("kinds", [["flat", "hierarchical", "two_dimensional"], ["xla"]])
 def test_every_kind_at_two_nodes_of_two_ranks(kinds):
-  result = run_mpi(RANKS, ["tests/emulated_nodes_worker.py", *kinds], timeout=300, env=ENV)
+  result = run_mpi(RANKS, ["tests/support/emulated_nodes_worker.py", *kinds], timeout=300, env=ENV)
   assert result.returncode == 0, result.stdout[-8000:]
   for kind in kinds:
     ok = re.findall(rf"OK {kind} rank (\d) node (\d)", result.stdout)
@@ -22,8 +23,9 @@ def test_every_kind_at_two_nodes_of_two_ranks(kinds):
 
 
 def test_emulated_nodes_must_divide_the_ranks():
-  result = run_mpi(3, ["tests/emulated_nodes_worker.py", "flat"], timeout=120,
+  result = run_mpi(3, ["tests/support/emulated_nodes_worker.py", "flat"], timeout=120,
                    env={**ENV, "MNJAX_EMULATE_NODES": "2"})
   assert result.returncode != 0
   # every rank says why
-  assert result.stdout.count("must be a positive number of emulated nodes") >= 3, result.stdout[-4000:]
+  assert (result.stdout.count("must be a positive number of emulated nodes") >= 3
+          ), result.stdout[-4000:]

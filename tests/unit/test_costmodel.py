@@ -9,13 +9,16 @@ from pathlib import Path
 import pytest
 
 from mnjax import costmodel as cm
-from mnjax.costmodel import allreduce as ar, calibrate, hardware as hw, published, step
+from mnjax.costmodel import allreduce as ar
+from mnjax.costmodel import calibrate, published, step
+from mnjax.costmodel import hardware as hw
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 N_R50 = step.RESNET50.params * 4
 
 
-@pytest.mark.parametrize("case", published.CASES, ids=lambda c: c.name.split(",")[0] + ":" + c.published)
+@pytest.mark.parametrize("case", published.CASES,
+                         ids=lambda c: c.name.split(",")[0] + ":" + c.published)
 def test_published_point_is_reproduced(case):
   predicted = case.predict()
   assert case.low <= predicted <= case.high, (

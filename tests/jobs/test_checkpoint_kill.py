@@ -1,5 +1,5 @@
 """Kill a process while it saves a checkpoint, at several points: the restore never loads a
-partial save, and it returns the newest complete one (tests/faults/save_forever.py)."""
+partial save, and it returns the newest complete one (tests/support/save_forever.py)."""
 
 import signal
 import subprocess
@@ -9,11 +9,13 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from support.launch import REPO
 
 import mnjax
-from launch import REPO
 
-SHAPE = (3, 1 << 24)  # as in tests/faults/save_forever.py
+pytestmark = pytest.mark.slow
+
+SHAPE = (3, 1 << 24)  # as in tests/support/save_forever.py
 
 # Where saving step 3 dies, and the step a restore must then return.
 POINTS = {"host_copy": 2, "commit": 2, "before_rename": 2, "after_rename": 3}
@@ -23,7 +25,8 @@ def kill_while_saving(directory: Path, point: str | None = None, delay: float = 
   """Runs save_forever.py until it dies at `point` of saving step 3, or until it is
   SIGKILLed `delay` s after it starts saving step 3. Returns its output lines, split."""
   proc = subprocess.Popen(
-      [sys.executable, "tests/faults/save_forever.py", str(directory), *([point] if point else [])],
+      [sys.executable, "tests/support/save_forever.py", str(directory),
+       *([point] if point else [])],
       cwd=REPO, stdout=subprocess.PIPE, text=True)
   lines = []
   try:

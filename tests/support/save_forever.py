@@ -1,7 +1,7 @@
 """Saves checkpoints 1, 2, 3, ... of a 192 MB state until killed: ``save_forever.py DIR [POINT]``.
 
 Prints ``saving N`` before each save and ``saved N`` once it is on disk, for
-tests/test_checkpoint_kill.py. With POINT, the process SIGKILLs itself at that point of
+tests/jobs/test_checkpoint_kill.py. With POINT, the process SIGKILLs itself at that point of
 saving step 3 (printing ``killed at POINT`` first):
 
 - ``host_copy``: after the state was copied to host memory and hashed, before orbax runs;

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import mnjax
+from mnjax.bench.hlo_order import mpi_calls, unchained, unchained_compiled
 from mnjax.comm import _collectives as collectives
 from mnjax.comm import _primitives as mpi_ops
-from mnjax.bench.hlo_order import mpi_calls, unchained, unchained_compiled
 
 LEAVES = {f"w{i}": jnp.ones((64 + i,), jnp.float32) for i in range(6)}
 
@@ -36,8 +36,8 @@ def test_buckets_are_chained_by_data(two_ranks, platform, wire_dtype):
   fn = lambda t: collectives.allreduce_tree(t, two_ranks, wire_dtype=wire_dtype, bucket_bytes=600)
   text = lowered(fn, LEAVES, platform=platform)
   calls = mpi_calls(text)
-  buckets = collectives.plan_buckets(list(LEAVES.values()), wire_dtype=wire_dtype and np.dtype(wire_dtype),
-                                     bucket_bytes=600)
+  buckets = collectives.plan_buckets(
+      list(LEAVES.values()), wire_dtype=wire_dtype and np.dtype(wire_dtype), bucket_bytes=600)
   assert len(buckets) >= 2
   # A 16-bit wire is an alltoall and an allgather per bucket.
   assert len(calls) == len(buckets) * (1 if wire_dtype is None else 2), calls
@@ -115,7 +115,7 @@ def test_a_train_step_is_one_chain(two_ranks, platform):
   net = Net()
   variables = net.init(jax.random.key(0), jnp.ones((8, 8)))
   # What allreduce_gradients does after its pre-flight check (which needs real ranks:
-  # tests/distributed/test_placement.py compiles the full step under mpirun).
+  # tests/distributed/test_devices_placement.py compiles the full step under mpirun).
   reduce = lambda g: collectives.allreduce_tree(g, two_ranks, bucket_bytes=256)
 
   def step(params, stats, x):

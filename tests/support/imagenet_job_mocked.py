@@ -1,4 +1,4 @@
-"""experiments/imagenet.py on tfds.testing.mock_data (run by tests/test_imagenet_job.py).
+"""experiments/imagenet.py on tfds.testing.mock_data (run by tests/jobs/test_imagenet_job.py).
 
 Prints one line per rank, ``DIGEST <sha256 of params and batch statistics>``, so the test
 can check that every rank ends with the same replica.
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 import imagenet
 
 import mnjax

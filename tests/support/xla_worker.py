@@ -1,4 +1,4 @@
-"""Run under mpirun by tests/test_xla.py: the `xla` kind in a fresh process.
+"""Run under mpirun by tests/jobs/test_xla.py: the `xla` kind in a fresh process.
 
 `create_communicator("xla")` must come before JAX touches a device, so this cannot live in
 the shared pytest process. Prints one ``XLA OK`` line per rank when every check passes.
@@ -8,15 +8,15 @@ import mnjax
 
 comm = mnjax.create_communicator("xla")
 
-import hashlib  # noqa: E402
+import hashlib
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import numpy as np
+import optax
 
-from mnjax.comm import _collectives as collectives  # noqa: E402
-from mnjax.train._classifier import create_train_state, make_train_step  # noqa: E402
-from mnjax.models import SmallCNN  # noqa: E402
+from mnjax.comm import _collectives as collectives
+from mnjax.models import SmallCNN
+from mnjax.train._classifier import create_train_state, make_train_step
 
 PER_DEVICE = 4
 data = mnjax.data.load_digits("train")

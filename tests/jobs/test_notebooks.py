@@ -7,13 +7,15 @@ from pathlib import Path
 # Before jupyter_core is imported: its platformdirs migration warning would be an error here.
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 
-import jupytext  # noqa: E402
-import matplotlib.image  # noqa: E402
-import nbformat  # noqa: E402
-import pytest  # noqa: E402
-from nbclient import NotebookClient  # noqa: E402
+import jupytext
+import matplotlib.image
+import nbformat
+import pytest
+from nbclient import NotebookClient
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+pytestmark = pytest.mark.slow
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 FIGURES = {
     "quickstart": ["quickstart_loss"],
     "scaling": ["allreduce_bandwidth", "measured_efficiency", "validation_sensitivity",

@@ -1,4 +1,5 @@
-"""One rank fails, the whole job ends, quickly, saying which rank (tests/faults/fault_job.py).
+"""One rank fails, the whole job ends, quickly, saying which rank (tests/support/fault_job.py):
+mnjax.comm's abort on error, and mnjax.Watchdog for ranks that stop or stall.
 
 Each job runs under mpirun with a hard timeout; the watchdog in the job uses 3 s timeouts.
 ``-disable-auto-cleanup`` makes MPICH's launcher leave the surviving ranks running when one
@@ -8,18 +9,17 @@ dies (as ``srun`` without ``--kill-on-bad-exit`` does), so only mnjax can end th
 import re
 import time
 
-import numpy as np
 import pytest
+from support.launch import run_mpi
 
-from launch import run_mpi
-from mnjax.guard._watchdog import _JobView
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 KEEP_RUNNING = ("-disable-auto-cleanup",)
 
 
 def run_fault(mode, mpi_args=()):
   start = time.monotonic()
-  result = run_mpi(2, ["tests/faults/fault_job.py", mode], timeout=60, mpi_args=mpi_args)
+  result = run_mpi(2, ["tests/support/fault_job.py", mode], timeout=60, mpi_args=mpi_args)
   return result, time.monotonic() - start
 
 
@@ -70,45 +70,3 @@ def test_ranks_that_finish_apart_are_not_a_stall(mode):
   result, _ = run_fault(mode)
   assert result.returncode == 0, result.stdout
   assert result.stdout.count("finished") == 2
-
-
-def message(step, entered, completed, done=False):
-  return np.array([step, int(done), entered, completed])
-
-
-def test_job_view_reports_late_silent_and_blocked_ranks():
-  # Rank 0's bookkeeping on its own, for four ranks, with a 10 s timeout.
-  view = _JobView(4, now=0.0)
-  for rank in range(4):
-    view.update(rank, message(5, 10, 10), now=1.0)
-  assert view.stall_report(5.0, timeout=10, heartbeat_timeout=10) == ""
-  # Ranks 0 and 1 go on to step 7 (no mnjax collectives: e.g. on GPU); rank 2 stays at 5.
-  for rank in (0, 1):
-    view.update(rank, message(7, 0, 0), now=2.0)
-  view.update(2, message(5, 0, 0), now=11.5)
-  view.update(3, message(7, 0, 0, done=True), now=11.5)  # finished: never reported
-  for rank in (0, 1):
-    view.update(rank, message(7, 0, 0), now=11.5)
-  assert view.stall_report(11.5, timeout=10, heartbeat_timeout=10) == ""  # 9.5 s: not yet
-  report = view.stall_report(12.5, timeout=10, heartbeat_timeout=10)
-  assert "rank 2 has not reached step 6 10 s after the first rank did (the furthest is at step 7)" in report
-  assert "rank 3" not in report and "rank 1 " not in report
-  # Ranks 1 and 2 fall silent (rank 0, the monitor, updates itself on every round).
-  view.update(0, message(7, 0, 0), now=22.0)
-  report = view.stall_report(22.0, timeout=100, heartbeat_timeout=10)
-  assert "no message from rank 1 (at step 7) for 10 s, rank 2 (at step 5) for 10 s" in report
-
-
-def test_job_view_names_ranks_that_never_entered_the_collective():
-  view = _JobView(3, now=0.0)
-  view.update(0, message(4, 9, 8), now=1.0)  # waits in collective #9
-  view.update(1, message(4, 9, 8), now=1.0)
-  view.update(2, message(3, 8, 8), now=1.0)  # never came
-  for now in (5.0, 10.0, 11.5):
-    for rank, m in enumerate([message(4, 9, 8), message(4, 9, 8), message(3, 8, 8)]):
-      view.update(rank, m, now=now)
-  assert view.stall_report(10.5, timeout=10, heartbeat_timeout=60) == ""
-  report = view.stall_report(11.5, timeout=10, heartbeat_timeout=60)
-  assert ("ranks [0, 1] have waited over 10 s in in-step collective #9 (at step 4); rank 2 has"
-          " not entered it (at step 3, after 8 collectives)") in report
-  assert "has not reached step" not in report  # rank 2 is reported once, as absent

@@ -5,8 +5,10 @@ import json
 import re
 
 import numpy as np
+import pytest
+from support.launch import run_mpi
 
-from launch import run_mpi
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 FLAGS = ["--epochs", "3", "--checkpoint_steps", "5", "--no-progress"]
 STEPS_PER_EPOCH = 22
@@ -22,7 +24,7 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
   result = run_mpi(2, ["experiments/train.py", *FLAGS, "--workdir", str(whole)], timeout=300)
   assert result.returncode == 0, result.stdout[-5000:]
 
-  result = run_mpi(2, ["tests/faults/killed_train.py", "1", str(KILL_STEP), *FLAGS,
+  result = run_mpi(2, ["tests/support/killed_train.py", "1", str(KILL_STEP), *FLAGS,
                        "--workdir", str(killed)], timeout=300)
   assert result.returncode != 0 and "final test accuracy" not in result.stdout
   assert not (killed / "params.npz").exists()

@@ -1,6 +1,6 @@
 """SyncBatchNorm equals flax BatchNorm on the concatenated global batch; allreduce_persistent.
 
-Under mpirun (tests/test_mpirun.py) these run as 2 and 3 processes (flat) and 2 x 2 and
+Under mpirun (tests/jobs/test_mpirun.py) these run as 2 and 3 processes (flat) and 2 x 2 and
 3 x 2 (processes x devices) for the multi-device kinds; in one process, as 1 and 1 x 2.
 """
 

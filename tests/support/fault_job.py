@@ -5,7 +5,7 @@ SIGKILLs itself at step 3); ``stop_root`` (rank 0 SIGSTOPs itself at step 3: ali
 ``stall`` (rank 1 sleeps at step 3); ``root_lingers`` / ``worker_lingers`` (rank 0 / rank 1
 keeps its watchdog running alone, after the other rank stopped its own, for longer than the
 watchdog's timeouts: a normal end, not a stall). The watchdog runs with short timeouts so
-that tests/test_failfast.py finishes quickly.
+that tests/jobs/test_fault_job.py finishes quickly.
 """
 
 import os

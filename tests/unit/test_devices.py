@@ -14,7 +14,7 @@ def node(visible, intra_size, *, shared, platform="gpu"):
 
 
 def test_eight_gpus_one_process_per_gpu():
-  assert [plan_devices("flat", l) for l in node(8, 8, shared=True)] == [(r,) for r in range(8)]
+  assert [plan_devices("flat", lay) for lay in node(8, 8, shared=True)] == [(r,) for r in range(8)]
 
 
 def test_eight_gpus_one_process_per_node_drives_all():
@@ -27,14 +27,14 @@ def test_eight_gpus_one_process_per_node_drives_all():
 
 def test_gpus_per_task_one_each_process_drives_its_own():
   """srun --gpus-per-task=1: every task sees its own GPU as ordinal 0."""
-  assert [plan_devices("flat", l) for l in node(1, 8, shared=False)] == [(0,)] * 8
-  assert [plan_devices("xla", l) for l in node(1, 8, shared=False)] == [(0,)] * 8
+  assert [plan_devices("flat", lay) for lay in node(1, 8, shared=False)] == [(0,)] * 8
+  assert [plan_devices("xla", lay) for lay in node(1, 8, shared=False)] == [(0,)] * 8
 
 
 def test_two_processes_per_node_split_the_gpus():
-  assert [plan_devices("two_dimensional", l) for l in node(8, 2, shared=True)] == [
+  assert [plan_devices("two_dimensional", lay) for lay in node(8, 2, shared=True)] == [
       (0, 1, 2, 3), (4, 5, 6, 7)]
-  assert [plan_devices("xla", l) for l in node(4, 2, shared=False)] == [(0, 1, 2, 3)] * 2
+  assert [plan_devices("xla", lay) for lay in node(4, 2, shared=False)] == [(0, 1, 2, 3)] * 2
 
 
 @pytest.mark.parametrize("kind", ["flat", *MULTI])
@@ -45,16 +45,16 @@ def test_more_processes_than_gpus_is_an_error(kind):
 
 
 def test_sharing_gpus_deliberately():
-  assert [plan_devices("flat", l, share_devices=True) for l in node(1, 2, shared=True)] == [
+  assert [plan_devices("flat", lay, share_devices=True) for lay in node(1, 2, shared=True)] == [
       (0,), (0,)]
-  assert [plan_devices("hierarchical", l, share_devices=True) for l in node(1, 2, shared=True)
+  assert [plan_devices("hierarchical", lay, share_devices=True) for lay in node(1, 2, shared=True)
           ] == [(0,), (0,)]
 
 
 def test_cpu_devices_are_private_and_may_be_shared():
   """Emulated CPU devices: flat places node-local rank i on device i (mod count); the
   multi-device kinds drive all of a process's devices."""
-  assert [plan_devices("flat", l) for l in node(2, 3, shared=False, platform="cpu")] == [
+  assert [plan_devices("flat", lay) for lay in node(2, 3, shared=False, platform="cpu")] == [
       (0,), (1,), (0,)]
   assert plan_devices("two_dimensional", Layout("cpu", 2, 1, 2, False)) == (0, 1)
   with pytest.raises(ValueError, match="3 local devices requested"):

@@ -5,10 +5,13 @@ import json
 import subprocess
 import sys
 
-from launch import REPO
+import pytest
+from support.launch import REPO
 
 from mnjax.bench.allreduce import SWEEP
 from mnjax.bench.gpu import SECTIONS
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 
 def run_bench(name, args, tmp_path):
@@ -36,7 +39,8 @@ def test_step_benchmark_smoke(tmp_path):
 def test_unknown_benchmark_is_a_clear_error():
   result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode != 0 and "usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks, scaling, gpu}" in result.stderr
+  usage = "usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks, scaling, gpu}"
+  assert result.returncode != 0 and usage in result.stderr
 
 
 def test_kinds_benchmark_smoke(tmp_path):
@@ -86,7 +90,8 @@ def test_scaling_benchmark_smoke(tmp_path):
   assert data["params"] == 151_306  # the digits CNN
   two = data["rows"][1]
   assert two["seconds_allreduce"] > 0 and two["seconds_no_communication"] > 0
-  assert two["communication_efficiency"] == two["seconds_no_communication"] / two["seconds_allreduce"]
+  assert (two["communication_efficiency"]
+          == two["seconds_no_communication"] / two["seconds_allreduce"])
   assert "weak scaling" in stdout
 
 

@@ -5,8 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from support.launch import REPO, run_mpi
 
-from launch import REPO, run_mpi
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 
 def read_run(workdir):

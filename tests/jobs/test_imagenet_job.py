@@ -5,10 +5,13 @@ import json
 import re
 import shutil
 
-from launch import run_mpi
+import pytest
+from support.launch import run_mpi
 
-FLAGS = ["tests/imagenet_job_mocked.py", "--config", "resnet18_cifar10", "--global_batch_size",
-         "8", "--base_lr", "0.32", "--warmup_epochs", "0"]
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
+
+FLAGS = ["tests/support/imagenet_job_mocked.py", "--config", "resnet18_cifar10",
+         "--global_batch_size", "8", "--base_lr", "0.32", "--warmup_epochs", "0"]
 
 
 def run(workdir, *flags):

@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from mnjax.optim import recipes
 from mnjax.models import ResNet18
+from mnjax.optim import recipes
 
 
 def close(value):
@@ -59,7 +59,8 @@ def test_label_smoothing_matches_its_definition():
   log_p = jax.nn.log_softmax(logits)[0]
   eps = 0.3
   expected = -((1 - eps) * log_p[0] + eps / 3 * jnp.sum(log_p))
-  assert float(recipes.smoothed_cross_entropy(logits, jnp.array([0]), eps)[0]) == pytest.approx(float(expected))
+  loss = recipes.smoothed_cross_entropy(logits, jnp.array([0]), eps)[0]
+  assert float(loss) == pytest.approx(float(expected))
   with pytest.raises(ValueError, match="smoothing must be in"):
     recipes.smoothed_cross_entropy(logits, jnp.array([0]), 1.0)
 
@@ -86,7 +87,8 @@ def test_blend_schedule_values():
 
 
 def test_rmsprop_warmup_is_rmsprop_first_and_momentum_sgd_after_the_blend():
-  grads = [{"w": jnp.array([0.5, -2.0])}, {"w": jnp.array([1.5, 0.25])}, {"w": jnp.array([-1.0, 1.0])}]
+  grads = [{"w": jnp.array([0.5, -2.0])}, {"w": jnp.array([1.5, 0.25])},
+           {"w": jnp.array([-1.0, 1.0])}]
   params = {"w": jnp.zeros(2)}
   # After the blend (a = 1) it is momentum SGD exactly.
   tx, sgd = recipes.rmsprop_warmup(0.1, 1.0, momentum=0.9), optax.sgd(0.1, momentum=0.9)
@@ -103,4 +105,5 @@ def test_rmsprop_warmup_is_rmsprop_first_and_momentum_sgd_after_the_blend():
   np.testing.assert_allclose(update["w"], -0.1 * grads[0]["w"] / (np.sqrt(nu) + 1e-8), rtol=1e-6)
   update, state = tx.update(grads[1], state)  # step 1 of 2: half SGD, half RMSprop
   nu = 0.5 * nu + 0.5 * grads[1]["w"] ** 2
-  np.testing.assert_allclose(update["w"], -0.1 * (0.5 + 0.5 / np.sqrt(nu)) * grads[1]["w"], rtol=1e-6)
+  expected = -0.1 * (0.5 + 0.5 / np.sqrt(nu)) * grads[1]["w"]
+  np.testing.assert_allclose(update["w"], expected, rtol=1e-6)

@@ -3,8 +3,9 @@
 import re
 
 import pytest
+from support.launch import run_mpi
 
-from launch import run_mpi
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 
 # At 3 ranks x 2 emulated devices (6 devices on 2 cores) SyncBatchNorm's multi-device cases

@@ -3,9 +3,11 @@
 import textwrap
 
 import pytest
+from support.launch import run_mpi
 
-from launch import run_mpi
 from mnjax.comm import _devices as devices
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 CREATE = "import mnjax; mnjax.create_communicator({kind!r})"
 
@@ -33,7 +35,8 @@ def test_processes_driving_different_device_counts():
   """
   result = run(2, code)
   assert result.returncode != 0
-  assert result.stdout.count("drive different numbers of devices ([2, 1]") >= 2, result.stdout[-3000:]
+  assert (result.stdout.count("drive different numbers of devices ([2, 1]") >= 2
+          ), result.stdout[-3000:]
 
 
 def test_the_cuda_plugin_without_a_usable_gpu(monkeypatch):

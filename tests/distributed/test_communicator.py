@@ -1,6 +1,8 @@
-"""Several devices per process: every kind averages like flat; replicas stay identical."""
+"""Communicators: several devices per process (every kind averages like flat, replicas stay
+identical), and JAX's process view under the MPI kinds (what ported pmap code reads)."""
 
 import hashlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +13,8 @@ from mpi4py import MPI
 
 import mnjax
 from mnjax.comm import _collectives as collectives
-from mnjax.train._classifier import create_train_state, make_train_step
 from mnjax.models import SmallCNN
+from mnjax.train._classifier import create_train_state, make_train_step
 
 DIGITS = mnjax.data.load_digits("train")
 PER_DEVICE = 4
@@ -83,7 +85,8 @@ def test_parameters_identical_on_every_device_of_every_process(comm, kind):
 
 def test_more_local_devices_than_exist(comm):
   have = jax.local_device_count()
-  with pytest.raises(ValueError, match=rf"{have + 1} local devices requested, but this process has {have}.*xla_force_host_platform_device_count"):
+  with pytest.raises(ValueError, match=rf"{have + 1} local devices requested, but this process"
+                                       rf" has {have}.*xla_force_host_platform_device_count"):
     mnjax.create_communicator("hierarchical", local_devices=have + 1)
   assert comm.mpi_comm.allreduce(1) == comm.size  # no rank entered the collective setup
 
@@ -93,7 +96,8 @@ def test_process_batch_that_does_not_split_over_local_devices(comm):
   if kc.local_device_count == 1:
     pytest.skip("needs >= 2 local devices (conftest emulates 2)")
   step = mnjax.data_parallel(lambda p, x: p, kc, batch_argnums=(1,))
-  with pytest.raises(ValueError, match=r"3 examples on this process, which do not split over its 2 local devices"):
+  with pytest.raises(ValueError, match=r"3 examples on this process, which do not split over"
+                                       r" its 2 local devices"):
     step(jnp.zeros(2), np.zeros((3, 4)))
 
 
@@ -113,6 +117,34 @@ def test_flat_drives_one_device_only(comm):
 
 def test_xla_after_jax_started_is_a_clear_error_on_every_rank(comm):
   jax.devices()  # this test process has used JAX already: jax.distributed can no longer start
-  with pytest.raises(ValueError, match=r"create_communicator\('xla'\) must run before JAX uses any device"):
+  with pytest.raises(ValueError,
+                     match=r"create_communicator\('xla'\) must run before JAX uses any device"):
     mnjax.create_communicator("xla")
   assert comm.mpi_comm.allreduce(1) == comm.size
+
+
+# -- jax.process_index() under the MPI kinds -------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["flat", "hierarchical"])
+def test_rank_zero_warns_once_that_jax_process_index_is_not_the_rank(kind):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    kc = mnjax.create_communicator(kind)
+  noted = [w for w in caught if str(w.message).startswith("mnjax: jax.process_index()")]
+  # The MPI kinds do not start jax.distributed: JAX sees one process on every rank.
+  assert (jax.process_index(), jax.process_count()) == (0, 1)
+  assert len(noted) == (1 if kc.size > 1 and kc.is_root else 0)
+  if noted:
+    message = str(noted[0].message)
+    assert f"in this {kc.size}-process job" in message
+    assert "comm.rank for jax.process_index()" in message and "comm.is_root" in message
+    assert noted[0].category is UserWarning and noted[0].filename == __file__
+  # The mapping the warning gives: comm.rank / comm.size are the process index / count.
+  ranks = sorted(kc.mpi_comm.allgather(kc.rank))
+  assert ranks == list(range(kc.size)) == list(range(MPI.COMM_WORLD.size))
+
+
+def test_a_single_process_does_not_warn():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert mnjax.create_communicator("flat", MPI.COMM_SELF).size == 1
