@@ -9,7 +9,7 @@
 2. **Communication efficiency at 2 ranks**: the script re-launches itself under
    ``mpirun -n 2``; both ranks alternate rounds of the step with `allreduce_gradients` and
    of the same step with no communication. Efficiency = throughput with allreduce /
-   throughput without. Goal: >= 0.95. The naive baseline (``mpi4jax.allreduce`` with its
+   throughput without. Goal: >= 0.97. The naive baseline (``mpi4jax.allreduce`` with its
    ordered effect, on a concatenated buffer) runs in the same rounds. Ranks are bound to
    cores (``--bind-to core``, as on a cluster): unbound, the two ranks' threads migrate
    between the two cores and a rank that waits in MPI steals time from the one still
