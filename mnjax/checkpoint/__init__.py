@@ -3,13 +3,27 @@
 * `Checkpointer`: orbax underneath; rank 0 writes, every rank restores and checks.
 * `LoopCheckpoints`: the training loop's policy (every k steps, at the end of each epoch,
   keep n) and bitwise resume.
+* Errors, the same on every rank: `CorruptCheckpointError` (nothing reads back intact),
+  `CheckpointTemplateError` (an intact checkpoint of another tree than the template),
+  `CheckpointSaveError` (a write that did not reach the disk).
 
 Example::
 
     ckpt = mnjax.checkpoint.Checkpointer("runs/exp/checkpoints", comm)
 """
 
-from mnjax.checkpoint._checkpointer import Checkpointer, CorruptCheckpointError
+from mnjax.checkpoint._checkpointer import (
+    Checkpointer,
+    CheckpointSaveError,
+    CheckpointTemplateError,
+    CorruptCheckpointError,
+)
 from mnjax.checkpoint._loop import LoopCheckpoints
 
-__all__ = ["Checkpointer", "CorruptCheckpointError", "LoopCheckpoints"]
+__all__ = [
+    "CheckpointSaveError",
+    "CheckpointTemplateError",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "LoopCheckpoints",
+]

@@ -8,66 +8,60 @@ orbax-checkpoint, and restores it exactly:
   orbax cannot coordinate the ranks; replicas are identical anyway, so rank 0 writes and
   the others only check that they are saving the same step.
 - **Atomic.** Orbax writes into a temporary directory and renames it when complete; a save
-  killed half-way is never listed, never loaded. The last ``keep`` checkpoints are kept.
+  killed half-way is never listed, never loaded. The last ``keep`` checkpoints are kept; an
+  older one is deleted only once the newer one is on disk (orbax would delete it even when
+  the newer write fails, leaving none with ``keep=1``).
 - **Verified.** Each checkpoint carries a BLAKE2b digest per leaf (`mnjax.comm._digest`).
   A checkpoint that does not read back, or whose bytes no longer match (truncated,
   flipped), is reported and skipped in favour of the previous one; if none is readable,
-  restore fails saying so. It is never loaded silently.
+  restore fails saying so (`CorruptCheckpointError`). It is never loaded silently. An intact
+  checkpoint that holds another tree than the template is not damage: it is a
+  `CheckpointTemplateError` naming the difference, and nothing falls back past it.
 - **Same step everywhere.** Rank 0 chooses the step, reads it and broadcasts the state, so
   ranks with a stale or private view of the directory cannot resume from different steps.
 
 Saving is asynchronous by default: rank 0 copies the state to host memory and orbax writes
-it in the background while training goes on.
+it in the background while training goes on. The next `save`, `wait` or `close` checks that
+the write reached the disk (orbax only logs a failed background write) and raises
+`CheckpointSaveError` on every rank if it did not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from mnjax.checkpoint._template import (
+    like,
+    signature,
+    structure,
+    target,
+    template_difference,
+    to_host,
+)
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._digest import compare_digests, tree_digests
-from mnjax.comm._host import broadcast, tree_signature
+from mnjax.comm._host import broadcast
 
-__all__ = ["Checkpointer", "CorruptCheckpointError"]
+__all__ = ["CheckpointSaveError", "CheckpointTemplateError", "Checkpointer",
+           "CorruptCheckpointError"]
 
 
 class CorruptCheckpointError(RuntimeError):
   """No checkpoint in the directory could be read back intact."""
 
 
-def _is_key(leaf: Any) -> bool:
-  return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+class CheckpointTemplateError(ValueError):
+  """An intact checkpoint holds another tree than the template it is restored into."""
 
 
-def _to_host(leaf: Any) -> np.ndarray:
-  """A private host copy (the device buffer may be donated to the next step meanwhile)."""
-  if _is_key(leaf):
-    leaf = jax.random.key_data(leaf)
-  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-    leaf = leaf.addressable_shards[0].data  # replicated across processes
-  return np.array(leaf, copy=True)
-
-
-def _like(value: np.ndarray, template: Any) -> Any:
-  """`value` as the kind of leaf `template` is: numpy, key, a jax array placed like the
-  template (committed to its sharding, or uncommitted when the template is)."""
-  if _is_key(template):
-    return jax.random.wrap_key_data(value, impl=jax.random.key_impl(template))
-  if isinstance(template, jax.Array):
-    if not template.committed:  # free to follow the step's sharding, like a fresh array
-      return jnp.asarray(value)
-    if template.is_fully_addressable:
-      return jax.device_put(value, template.sharding)
-    return jax.make_array_from_callback(value.shape, template.sharding, lambda i: value[i])
-  if isinstance(template, np.ndarray) or np.ndim(template):
-    return value
-  return value.item() if isinstance(template, (int, float, bool)) else value
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint could not be written (raised on every rank)."""
 
 
 def _digests(tree: Any) -> dict[str, str]:
@@ -90,7 +84,8 @@ class Checkpointer:
       write it; the other ranks never touch it.
     comm: the `Communicator`.
     keep: how many of the most recent checkpoints to keep (>= 1).
-    async_save: write in a background thread (rank 0); `close` waits for it.
+    async_save: write in a background thread (rank 0); the next `save`, `wait` or `close`
+      waits for it and raises `CheckpointSaveError` on every rank if it failed.
     settings: JSON values a resumed run must share with the saved one (e.g. the global
       batch size and seed that fix the data order); saved with every checkpoint and
       compared by `resume`.
@@ -113,7 +108,10 @@ class Checkpointer:
     self.comm = comm
     self.directory = os.path.abspath(os.fspath(directory))
     self.settings = dict(settings or {})
+    self.keep = keep
+    self._async = async_save
     self._manager = None
+    self._pending: int | None = None  # rank 0: the step whose write is not yet checked
     if comm.is_root:
       import orbax.checkpoint as ocp  # noqa: PLC0415 (heavy; rank 0 only)
 
@@ -125,7 +123,7 @@ class Checkpointer:
       self._manager = ocp.CheckpointManager(
           self.directory,
           options=ocp.CheckpointManagerOptions(
-              max_to_keep=keep, create=False, enable_async_checkpointing=async_save,
+              max_to_keep=None, create=False, enable_async_checkpointing=async_save,
               cleanup_tmp_directories=True, multiprocessing_options=multiprocessing))
 
   # -- save ----------------------------------------------------------------------------------
@@ -145,37 +143,111 @@ class Checkpointer:
       raise ValueError(
           f"Checkpointer.save: the ranks are saving different steps {steps}; every rank"
           " must call save at the same step (replicas are identical only at equal steps).")
-    if self._manager is None:
-      return
-    host = jax.tree.map(_to_host, state)
+    problem = None
+    if self._manager is not None:
+      problem = self._finish_pending()
+      if problem is None:
+        try:
+          self._start(step, state, meta)
+        except Exception as error:  # noqa: BLE001 (reported on every rank below)
+          problem = (f"checkpoint {step} could not be started: {type(error).__name__}:"
+                     f" {str(error)[:500]}")
+        else:
+          problem = None if self._async else self._finish_pending()
+    self._raise_on_every_rank(problem)
+
+  def _start(self, step: int, state: Any, meta: dict | None) -> None:
+    """Rank 0: hands checkpoint `step` to orbax (the previous write is finished)."""
+    host = jax.tree.map(to_host, state)
     record = {"step": step, "meta": meta or {}, "settings": self.settings,
-              "digests": _digests(host),
-              "signature": _signature(host)}
+              "digests": _digests(host), "signature": signature(host),
+              "structure": structure(host)}
     args = self._ocp.args
-    self._manager.wait_until_finished()
     if step in self._manager.all_steps():  # an earlier attempt's (e.g. one skipped as damaged)
       self._manager.delete(step)
     # force: orbax would otherwise skip, without a word, any step not newer than its latest.
     self._manager.save(step, force=True, args=args.Composite(
         state=args.StandardSave(host), record=args.JsonSave(record)))
+    self._pending = step
+
+  def _finish_pending(self) -> str | None:
+    """Rank 0: waits for the pending write; what went wrong with it, or None."""
+    step, self._pending = self._pending, None
+    try:
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
+    except Exception as error:  # noqa: BLE001 (reported on every rank by the caller)
+      cause = f"{type(error).__name__}: {str(error)[:500]}"
+    else:
+      if step is None:
+        return None
+      if os.path.isdir(os.path.join(self.directory, str(step))):
+        return self._prune(step)
+      # Orbax logs a failed background write (a full disk, say) and carries on.
+      cause = "the background write did not complete (orbax logged the cause on stderr)"
+    with contextlib.suppress(Exception):  # this error is the one to report
+      self._manager.reload()  # forget the step orbax listed but never published
+    return f"{'a checkpoint' if step is None else f'checkpoint {step}'} was not written: {cause}"
+
+  def _prune(self, step: int) -> str | None:
+    """Rank 0: deletes all but the newest ``keep`` checkpoints (`step` is on disk)."""
+    try:
+      for old in sorted(self._manager.all_steps())[:-self.keep]:
+        self._manager.delete(old)
+    except Exception as error:  # noqa: BLE001 (reported on every rank by the caller)
+      return (f"checkpoint {step} is on disk, but deleting an older one failed:"
+              f" {type(error).__name__}: {str(error)[:500]}")
+    return None
+
+  def _raise_on_every_rank(self, problem: str | None) -> None:
+    """Rank 0's `problem` (a failed write) as `CheckpointSaveError` on every rank."""
+    if problem is not None and self.comm.is_root:
+      try:
+        on_disk = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+      except OSError as error:
+        on_disk = f"unknown ({error})"
+      problem = (f"Checkpointer: {problem} (in {self.directory}, by rank 0). The checkpoints"
+                 f" on disk are steps {on_disk}. Free space or fix the error, then rerun with"
+                 " --resume (`resume`) to continue from the newest intact one.")
+    problem = self.comm.mpi_comm.bcast(problem, root=0) if self.comm.size > 1 else problem
+    if problem is not None:
+      raise CheckpointSaveError(problem)
 
   def wait(self) -> None:
-    """Blocks until rank 0's background write, if any, is on disk."""
-    if self._manager is not None:
-      self._manager.wait_until_finished()
+    """Blocks until rank 0's background write, if any, is on disk (collective).
+
+    Raises:
+      CheckpointSaveError: on every rank, when that write failed.
+    """
+    self._raise_on_every_rank(self._finish_pending() if self._manager is not None else None)
 
   def close(self) -> None:
-    """Waits for the last write and releases orbax's resources."""
-    if self._manager is not None:
-      self._manager.wait_until_finished()
-      self._manager.close()
-      self._manager = None
+    """Waits for the last write (as `wait`: collective, raises on every rank if it failed)
+    and releases orbax's resources."""
+    try:
+      self.wait()
+    finally:
+      self._release()
+
+  def _release(self) -> None:
+    """Rank 0, no collective: waits for orbax and closes it; a failure goes to stderr."""
+    if self._manager is None:
+      return
+    problem = self._finish_pending()
+    if problem is not None:
+      sys.stderr.write(f"mnjax.Checkpointer: {problem}\n")
+    self._manager.close()
+    self._manager = None
 
   def __enter__(self) -> Checkpointer:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, *exc) -> None:
+    # On an error, some ranks may never get here: close without a collective.
+    if exc_type is None:
+      self.close()
+    else:
+      self._release()
 
   # -- restore -------------------------------------------------------------------------------
 
@@ -201,8 +273,10 @@ class Checkpointer:
     Returns:
       None when the directory holds no checkpoint; otherwise ``(step, state, meta)``.
 
-    Raises:
+    Raises (on every rank):
       CorruptCheckpointError: checkpoints exist but none reads back intact.
+      CheckpointTemplateError: the newest readable checkpoint holds another tree (structure,
+        shapes or dtypes) than `template` on some rank; nothing falls back past it.
       ValueError: the checkpoint was saved with other ``settings``.
     """
     outcome: Any = None
@@ -214,6 +288,7 @@ class Checkpointer:
       raise CorruptCheckpointError(outcome)
     if outcome is None:
       return None
+    self._check_template(outcome, template)
     changed = {k: (outcome.get("settings", {}).get(k), v) for k, v in self.settings.items()
                if outcome.get("settings", {}).get(k) != v}
     if changed:
@@ -222,9 +297,9 @@ class Checkpointer:
           f" with other settings (saved, now): {changed}. Resume with the saved settings, or"
           " start a new run in another directory.")
     if state is None:  # not rank 0: receive into buffers shaped like the saved leaves
-      state = _target(template, outcome["signature"])
+      state = target(template, outcome["signature"])
     state = broadcast(state, self.comm, root=0)
-    state = jax.tree.map(_like, state, template)
+    state = jax.tree.map(like, state, template)
     return outcome["step"], state, outcome["meta"]
 
   def resume(self, template: Any, *, requested: bool) -> tuple[int, Any, dict] | None:
@@ -247,30 +322,59 @@ class Checkpointer:
           " continue that run, or choose a new --workdir; nothing was overwritten.")
     return None
 
+  def _check_template(self, record: dict, template: Any) -> None:
+    """`CheckpointTemplateError` on every rank unless every rank's `template` matches the
+    tree `record` describes."""
+    try:
+      mine = template_difference(record, template)
+    except Exception as error:  # noqa: BLE001 (every rank must reach the allgather)
+      mine = f"{type(error).__name__}: {error}"
+    every = self.comm.mpi_comm.allgather(mine) if self.comm.size > 1 else [mine]
+    wrong = [rank for rank, difference in enumerate(every) if difference]
+    if wrong:
+      raise CheckpointTemplateError(
+          f"Checkpointer.restore: checkpoint {record['step']} in {self.directory} reads"
+          " back (it is not damaged), but it holds a different tree than the template it"
+          f" is restored into (on ranks {wrong} of {self.comm.size}): {every[wrong[0]]}."
+          " Nothing was loaded and the checkpoint is untouched. Pass a template built like"
+          " the saved state (the model, optimizer and state layout of the run that saved"
+          " it), or start the new run in another directory.")
+
   def _restore_newest(self, template: Any) -> tuple[Any, Any]:
-    """Rank 0: (record, state) of the newest intact step; (None, None) with no steps, or
-    (message, None) when every step is damaged."""
+    """Rank 0: (record, state) of the newest intact step; (None, None) with no steps,
+    (message, None) when every step is damaged, or (record, None) when the newest readable
+    record does not match `template` (`restore` then raises `CheckpointTemplateError`)."""
     steps = sorted(self._manager.all_steps(), reverse=True)
     problems = []
     args = self._ocp.args
+
+    def skip(step: int, error: Exception) -> None:
+      problems.append(f"step {step}: {type(error).__name__}: {str(error)[:300]}")
+      sys.stderr.write(f"mnjax.Checkpointer: skipping checkpoint {self.directory}/{step}:"
+                       f" {problems[-1]}\n")
+
     for step in steps:
       try:
         record = self._manager.restore(step, args=args.Composite(
             record=args.JsonRestore()))["record"]
         if record.get("step") != step:
           raise ValueError(f"its record names step {record.get('step')}")
-        _check_signature(record["signature"], template)
-        target = _target(template, record["signature"])
+        different = template_difference(record, template)
+      except Exception as error:  # noqa: BLE001 (any read failure means: do not load it)
+        skip(step, error)
+        continue
+      if different:  # not damage: no fallback past it
+        return record, None
+      try:
+        buffers = target(template, record["signature"])
         state = self._manager.restore(step, args=args.Composite(
-            state=args.StandardRestore(target)))["state"]
+            state=args.StandardRestore(buffers)))["state"]
         state = jax.tree.map(np.asarray, state)
         bad = _damaged(record["digests"], state)
         if bad:
           raise ValueError(f"its bytes do not match the digests saved with it (leaves {bad[:5]})")
       except Exception as error:  # noqa: BLE001 (any read failure means: do not load it)
-        problems.append(f"step {step}: {type(error).__name__}: {str(error)[:300]}")
-        sys.stderr.write(f"mnjax.Checkpointer: skipping checkpoint {self.directory}/{step}:"
-                         f" {problems[-1]}\n")
+        skip(step, error)
         continue
       return record, state
     if not steps:
@@ -278,32 +382,3 @@ class Checkpointer:
     return (f"Checkpointer.restore: none of the {len(steps)} checkpoints in {self.directory}"
             f" reads back intact: {'; '.join(problems)}. Nothing was loaded. Restore a copy"
             " of the directory, or move it away to start from scratch."), None
-
-
-def _signature(host: Any) -> list[list[str]]:
-  return [list(map(str, s)) for s in tree_signature(host)]
-
-
-def _check_signature(saved: list, template: Any) -> None:
-  """Same leaves and shapes as `template`; same dtypes, except for host scalars (a Python
-  or 0-d numpy step counter takes the dtype the jitted step gave it)."""
-  leaves = jax.tree.leaves(template)
-  expected = _signature(jax.tree.map(_to_host, template))
-  if [s[:2] for s in saved] != [e[:2] for e in expected] or any(
-      s[2] != e[2] for s, e, leaf in zip(saved, expected, leaves)
-      if isinstance(leaf, jax.Array) or np.ndim(leaf)):
-    diff = [f"{e[0]} saved as {s[2]}{s[1]}, expected {e[2]}{e[1]}"
-            for s, e in zip(saved, expected) if s != e][:3]
-    raise ValueError(
-        f"it holds a different tree than the state it is restored into ({len(saved)} vs"
-        f" {len(expected)} leaves; {'; '.join(diff)})")
-
-
-def _target(template: Any, saved: list) -> Any:
-  """Host buffers with the template's structure and the saved shapes and dtypes."""
-  leaves, treedef = jax.tree.flatten(template)
-  if len(leaves) != len(saved):
-    raise ValueError(f"it holds {len(saved)} leaves, the state {len(leaves)}")
-  shapes = [np.shape(jax.random.key_data(x) if _is_key(x) else x) for x in leaves]
-  return jax.tree.unflatten(
-      treedef, [np.zeros(shape, np.dtype(dtype)) for shape, (_, _, dtype) in zip(shapes, saved)])

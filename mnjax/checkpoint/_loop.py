@@ -10,6 +10,7 @@ of `mnjax.Checkpointer`, as both experiment scripts use it:
     state, sums, first_epoch, first_batch = checkpoints.start(state, zero_sums)
     ...                                   # after step `step`, batch i of `epoch`:
     checkpoints.save(step, state, sums, epoch, i + 1)
+    checkpoints.wait()                    # before recording an epoch: did the save land?
 
 Metric sums are per rank; a checkpoint stores them summed over ranks, and on resume rank 0
 carries them on while the others start from zero, so the epoch's global figures come out
@@ -81,6 +82,21 @@ class LoopCheckpoints:
     self.checkpointer.save(step, {"train": state, "sums": totals},
                            meta={"epoch": epoch, "batch": batch})
 
+  def wait(self) -> None:
+    """Blocks until the last save is on disk (collective; the loop calls it before it
+    records an epoch, so no record follows a lost save).
+
+    Raises:
+      mnjax.checkpoint.CheckpointSaveError: on every rank, when that save failed.
+    """
+    self.checkpointer.wait()
+
   def close(self) -> None:
-    """Waits for the last write (rank 0)."""
+    """Waits for the last write (collective, raises as `wait`) and closes the directory."""
     self.checkpointer.close()
+
+  def __enter__(self) -> LoopCheckpoints:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.checkpointer.__exit__(*exc)  # no collective when leaving on an error

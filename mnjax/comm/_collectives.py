@@ -28,8 +28,8 @@ from mnjax.comm._communicator import Communicator, check_communicator
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "allreduce_tree", "bucket_bytes_from_mb", "check_bucket_bytes",
-    "check_float_leaves", "completion_token", "default_bucket_bytes", "group_by_dtype", "pack",
-    "plan_buckets", "sum_buffer", "unpack", "wire_dtype_of",
+    "check_float_leaves", "completion_token", "default_bucket_bytes", "group_by_dtype",
+    "leaf_dtype", "pack", "plan_buckets", "sum_buffer", "unpack", "wire_dtype_of",
 ]
 
 
@@ -74,29 +74,55 @@ def check_float_leaves(tree: Any, caller: str, *, real: bool = False) -> None:
 
   Gradients of integer or boolean leaves are not averaged (JAX gives them ``float0``);
   they must not enter the allreduce. With ``real=True`` (a half-precision wire) complex
-  leaves are refused too.
+  leaves are refused too. A Python number is judged by the dtype ``jax.jit`` gives it (a
+  float is float32, an int int32), so a tree is accepted or refused alike eagerly (e.g.
+  ``tx.init(params)``) and inside a trace.
 
   Example:
     >>> check_float_leaves({"step": jnp.zeros((), jnp.int32)}, "my_fn")
     Traceback (most recent call last):
     TypeError: my_fn: every gradient leaf must be a floating-point ... leaf ['step'] ...
+    >>> check_float_leaves({"scale": 0.5}, "my_fn")   # a Python float: float32 under jit
   """
   kind = jnp.floating if real else jnp.inexact
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    dtype = getattr(leaf, "dtype", None)
+    dtype = leaf_dtype(leaf)
     if dtype is None or not jnp.issubdtype(dtype, kind):
       what = "real floating-point" if real else "floating-point (or complex)"
+      came = (f"dtype {dtype}" if hasattr(leaf, "dtype") else
+              f"dtype {dtype} (a Python {type(leaf).__name__}, {leaf!r})" if dtype is not None
+              else f"no dtype (a {type(leaf).__name__}, {_short(leaf)})")
       raise TypeError(
           f"{caller}: every gradient leaf must be a {what} array, but leaf"
-          f" {jax.tree_util.keystr(path) or '<root>'} has dtype"
-          f" {dtype if dtype is not None else type(leaf).__name__}."
+          f" {jax.tree_util.keystr(path) or '<root>'} has {came}."
           + (" A half-precision wire_dtype carries real float gradients only: use"
              " wire_dtype=None for this tree." if real and dtype is not None
              and jnp.issubdtype(dtype, jnp.inexact) else
-             " Integer, boolean and float0 leaves cannot be averaged across ranks: keep"
-             " them out of the differentiated parameters (e.g. in a separate flax"
-             " collection) or differentiate float parameters only.")
+             " Only arrays of floats can be averaged across ranks: keep integer, boolean,"
+             " float0 and non-array leaves out of the differentiated parameters (e.g. in a"
+             " separate flax collection), or differentiate float parameters only.")
       )
+
+
+def leaf_dtype(leaf: Any) -> np.dtype | None:
+  """The dtype `leaf` has inside a trace: its own, or for a Python number the one
+  ``jax.jit`` gives it (float32 for a float, int32 for an int); None for anything else.
+
+  Example:
+    >>> leaf_dtype(1.0), leaf_dtype(np.zeros(2, np.int8)), leaf_dtype("x")
+    (dtype('float32'), dtype('int8'), None)
+  """
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is not None:
+    return dtype
+  if isinstance(leaf, (bool, int, float, complex)):
+    return jnp.result_type(leaf)
+  return None
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def check_bucket_bytes(bucket_bytes: Any, caller: str,
@@ -286,6 +312,7 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   if comm.num_replicas == 1:
     return tree
   leaves, treedef = jax.tree_util.tree_flatten(tree)
+  leaves = [jnp.asarray(leaf) for leaf in leaves]  # Python floats too (a no-op on arrays)
   out: list[Any] = [None] * len(leaves)
   replicas = comm.num_replicas
   # The first exchange waits for every leaf: collectives that ran while the leaves were

@@ -38,7 +38,7 @@ from mnjax.comm._communicator import Communicator, check_communicator
 __all__ = [
     "allreduce", "allreduce_persistent", "broadcast", "check_numbers", "check_same_tree",
     "fuse", "gather_if_different", "is_number", "leaf_paths", "reduce_arrays", "split",
-    "tree_signature",
+    "tree_containers", "tree_signature",
 ]
 
 _HASH_BYTES = 16
@@ -103,21 +103,68 @@ def gather_if_different(comm: Communicator, value: Any, *, timeout: float | None
   return comm.mpi_comm.allgather(value)
 
 
-def check_same_tree(tree: Any, comm: Communicator, caller: str, *, root: int = 0) -> None:
+def tree_containers(tree: Any) -> tuple[tuple[str, str], ...]:
+  """``(path, container type)`` for every inner node of `tree`, outermost first.
+
+  What `tree_signature` cannot see: a list and a tuple (or a dict and a flax ``FrozenDict``)
+  give the same leaf paths. Types are named by module (but builtins) and qualified name only,
+  so the result is the same on every rank for the same tree.
+
+  Example:
+    >>> tree_containers({"b": [1, 2], "w": (3,)})
+    (('<root>', 'dict'), ("['b']", 'list'), ("['w']", 'tuple'))
+  """
+  out: list[tuple[str, str]] = []
+
+  def walk(node: Any, path: str) -> None:
+    data = jax.tree_util.tree_structure(node).node_data()
+    if data is None:  # a leaf
+      return
+    kind = data[0]
+    name = kind.__qualname__ if kind.__module__ == "builtins" else (
+        f"{kind.__module__}.{kind.__qualname__}")
+    out.append((path or "<root>", name))
+    children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+    for keys, child in children:
+      walk(child, path + jax.tree_util.keystr(keys))
+
+  walk(tree, "")
+  return tuple(out)
+
+
+def check_same_tree(tree: Any, comm: Communicator, caller: str, *, root: int = 0,
+                    arguments: dict[str, Any] | None = None) -> None:
   """Raises `ValueError` on every rank unless every rank passed a tree with the same
-  structure, shapes and dtypes as rank `root` (`tree_signature`). Collective.
+  containers (`tree_containers`), structure, shapes and dtypes (`tree_signature`) as rank
+  `root`, and equal `arguments` (e.g. ``{"root": 0}``, compared by ``repr``): all in one
+  agreement round. Collective.
 
   Example:
     >>> check_same_tree({"mean": np.zeros(3)}, comm, "my_average")  # before moving it
   """
-  everyone = gather_if_different(comm, tree_signature(tree))
+  arguments = {name: repr(value) for name, value in (arguments or {}).items()}
+  everyone = gather_if_different(comm, (arguments, tree_containers(tree), tree_signature(tree)))
   if everyone is None:
     return
-  ref = everyone[root]
-  differing = [rank for rank, sig in enumerate(everyone) if sig != ref]
+  for name in arguments:
+    passed = [args[name] for args, _, _ in everyone]
+    if len(set(passed)) > 1:
+      listed = ", ".join(f"rank {rank} {name}={value}" for rank, value in enumerate(passed))
+      raise ValueError(
+          f"{caller}: every rank must pass the same {name}, but {listed}. Pass one value on"
+          f" every rank (e.g. a constant, not one computed from comm.rank); nothing was"
+          " exchanged.")
+  _, ref_containers, ref = everyone[root]
+  differing = [rank for rank, got in enumerate(everyone) if got[1:] != (ref_containers, ref)]
   details = []
   for rank in differing:
-    sig = everyone[rank]
+    before = len(details)
+    _, containers, sig = everyone[rank]
+    kinds = next(((c, r) for c, r in zip(containers, ref_containers) if c != r), None)
+    if kinds is not None:
+      (path, kind), (rpath, rkind) = kinds
+      details.append(f"rank {rank} has a {kind} at {path} where rank {root} has a {rkind}"
+                     + (f" at {rpath}" if rpath != path else ""))
     if len(sig) != len(ref):
       details.append(f"rank {rank} has {len(sig)} leaves, rank {root} has {len(ref)}")
     diff = next(((s, r) for s, r in zip(sig, ref) if s != r), None)
@@ -125,11 +172,14 @@ def check_same_tree(tree: Any, comm: Communicator, caller: str, *, root: int = 0
       (path, shape, dtype), (rpath, rshape, rdtype) = diff
       details.append(f"rank {rank} leaf {path} {shape} {dtype} vs rank {root} leaf {rpath}"
                      f" {rshape} {rdtype}")
+    if len(details) == before:
+      details.append(f"rank {rank} nests its containers differently from rank {root}")
   raise ValueError(
-      f"{caller}: every rank must pass a tree with the same structure, shapes and dtypes;"
-      f" the tree of rank(s) {differing} differs from rank {root}'s: {'; '.join(details)}."
-      " Build the tree the same way on every rank (the same model, input shapes and"
-      " metrics) before the call; nothing was exchanged.")
+      f"{caller}: every rank must pass a tree with the same containers, structure, shapes"
+      f" and dtypes; the tree of rank(s) {differing} differs from rank {root}'s:"
+      f" {'; '.join(details)}. Build the tree the same way on every rank (the same model,"
+      " input shapes and metrics, the same list/tuple/dict types) before the call; nothing"
+      " was exchanged.")
 
 
 def is_number(dtype: Any) -> bool:
@@ -256,8 +306,9 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
 
   Use it once at start-up so every replica begins from identical parameters and optimizer
   state. Every rank passes a tree of the same structure, shapes and dtypes (e.g. parameters
-  initialised from any seed); otherwise a `ValueError` naming the first difference is raised
-  on every rank and nothing is transferred.
+  initialised from any seed) with the same containers (a list everywhere, not a tuple on
+  some rank), and the same `root`; otherwise a `ValueError` naming the ranks and the first
+  difference is raised on every rank and nothing is transferred.
 
   Args:
     tree: pytree of arrays (jax or numpy) or scalars.
@@ -275,16 +326,22 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
     [0.0, 0.0, 0.0]
   """
   check_communicator(comm, "broadcast")
-  if not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
+  valid_root = isinstance(root, (int, np.integer)) and not isinstance(root, bool) and (
+      0 <= root < comm.size)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  arrays = [np.asarray(leaf) for leaf in leaves] if comm.size > 1 else leaves
+  # One round checks the root and the tree: a rank with another root would wait in its own
+  # Bcast (a hang) or take another rank's bytes (a silent wrong result).
+  check_same_tree(jax.tree_util.tree_unflatten(treedef, arrays), comm, "broadcast",
+                  root=int(root) if valid_root else 0,
+                  arguments={"root": int(root) if valid_root else root})
+  if not valid_root:  # the same root on every rank, so the same error on every rank
     raise ValueError(
         f"broadcast: root must be a rank in [0, {comm.size}), got {root!r}; pass root=0"
         " to broadcast from the first rank."
     )
   if comm.size == 1:
     return tree
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  arrays = [np.asarray(leaf) for leaf in leaves]
-  check_same_tree(jax.tree_util.tree_unflatten(treedef, arrays), comm, "broadcast", root=root)
   out: list[Any] = list(arrays)
   # Host transfers move raw bytes, so every numpy dtype travels as itself.
   for group in group_by_dtype([a.dtype for a in arrays], key=lambda dtype: dtype):

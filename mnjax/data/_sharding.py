@@ -50,11 +50,16 @@ def _is_int(value: Any) -> bool:
 def _check_n(n: Any, size: int, caller: str) -> int:
   if not _is_int(n) or n < 0:
     raise TypeError(f"{caller}: the dataset size must be a non-negative int, got {n!r}.")
+  if n == 0:
+    raise ValueError(
+        f"{caller}: the dataset is empty (0 examples), so no rank has anything to read."
+        " Check that the data was found and loaded (its path, its split, any filter"
+        " applied before this call).")
   if n < size:
     raise ValueError(
         f"{caller}: a dataset of {n} examples cannot be split over {size} ranks:"
         f" every rank needs at least one example. Use a dataset with >= {size}"
-        f" examples or run with at most {max(n, 1)} ranks (mpirun -n {max(n, 1)})."
+        f" examples or run with at most {n} ranks (mpirun -n {n})."
     )
   return int(n)
 

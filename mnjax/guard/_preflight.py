@@ -13,10 +13,23 @@ allgather (Horovod's coordinator check, done once instead of every step).
 once, at its first call, and a user's own step that only composes the transformation into
 an optax chain is protected too. A mismatch raises the same `ValueError` on every rank,
 naming the leaf, the ranks and their shapes and dtypes, before any collective is issued.
+
+The in-step collectives of layers (`mnjax.SyncBatchNorm`, which also runs in forward-only
+steps without `allreduce_gradients`) are checked the same way, as one sequence: while a
+step is traced inside `recording` (`mnjax.data_parallel` opens it around the step), each
+layer notes its collective (`note_collective`: the layer, the buffer's shape and dtype), and
+`check_collective_sequence` compares the whole sequence across ranks with one host
+allgather before the compiled step first runs: a rank with an extra layer or another
+feature width is named, instead of a hang or an MPI "Message truncated" abort. A sequence
+a step has agreed on is not compared again (a retrace for another batch size, on one rank
+only, needs no round), so it costs nothing per step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -24,7 +37,10 @@ import numpy as np
 from mnjax.comm._communicator import Communicator
 from mnjax.comm._host import gather_if_different, tree_signature
 
-__all__ = ["DEFAULT_TIMEOUT", "check_same_on_all_ranks", "tree_signature"]
+__all__ = [
+    "DEFAULT_TIMEOUT", "check_collective_sequence", "check_same_on_all_ranks",
+    "note_collective", "recording", "tree_signature",
+]
 
 #: Seconds a rank waits for the others to reach the same check before giving up. Ranks
 #: reach it at their first trace of the step; the slowest start-up sets the pace.
@@ -116,3 +132,108 @@ def _tree_differences(tree: tuple, ref: tuple) -> list[str]:
   if not out:
     out.append("the same leaves in a different order")
   return out
+
+
+class _Recordings(threading.local):
+  """The sequences being recorded by the open `recording` blocks of this thread."""
+
+  def __init__(self):
+    self.open: list[list[tuple]] = []
+
+
+_RECORDINGS = _Recordings()
+
+
+def note_collective(what: str, shape: Any, dtype: Any) -> None:
+  """Notes an in-step collective being traced (`what`: e.g. the layer's path) in every open
+  `recording`; nothing when none is open. Costs nothing at run time.
+
+  Example:
+    >>> with recording() as log:
+    ...   note_collective("SyncBatchNorm layer BatchNorm_0", (3, 16), "float32")
+    >>> log
+    [('SyncBatchNorm layer BatchNorm_0', (3, 16), 'float32')]
+  """
+  for log in _RECORDINGS.open:
+    log.append((what, tuple(int(d) for d in shape), str(dtype)))
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple]]:
+  """The list of collectives `note_collective` notes while the block runs (a step traced).
+
+  Example:
+    >>> with recording() as log:
+    ...   pass                    # e.g. out = fn(*args), while tracing the step
+    >>> check_collective_sequence(comm, log, caller="data_parallel")
+  """
+  log: list[tuple] = []
+  _RECORDINGS.open.append(log)
+  try:
+    yield log
+  finally:
+    _RECORDINGS.open.pop()
+
+
+def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
+                              agreed: set | None = None,
+                              timeout: float = DEFAULT_TIMEOUT) -> None:
+  """Raises `ValueError` on every rank unless every rank traced the same in-step
+  collectives (`recording`), in the same order, with the same shapes and dtypes.
+
+  Collective over ``comm.mpi_comm``, except for an empty `sequence` and one already in
+  `agreed` (the sequences one step has agreed on: a retrace of that step for another batch
+  size, on one rank only, needs no round); an agreed sequence is added to it. A rank whose
+  step has no recorded collective takes no part: the others then time out after `timeout`
+  seconds with a message, instead of waiting in the step forever.
+
+  Example:
+    >>> check_collective_sequence(comm, [("SyncBatchNorm layer BatchNorm_0", (3, 16),
+    ...                                   "float32")], caller="data_parallel")
+  """
+  sequence = tuple(sequence)
+  agreed = set() if agreed is None else agreed
+  if comm.size == 1 or not sequence or sequence in agreed:
+    return
+  everyone = gather_if_different(
+      comm, sequence, timeout=timeout, timeout_message=(
+          f"{caller}: rank {comm.rank} waited {timeout:.0f} s for the other ranks to check"
+          f" the {len(sequence)} in-step collective(s) of its step (the first:"
+          f" {_entry(sequence, 0)}), and not all of them came. Every rank must run the same"
+          " layers (a rank without any SyncBatchNorm layer in its step, or one that does not"
+          " call the step, leaves the others waiting)."))
+  if everyone is not None:
+    raise ValueError(describe_sequences(everyone, caller))
+  agreed.add(sequence)
+
+
+def describe_sequences(everyone: list[tuple], caller: str) -> str:
+  """The message for ranks whose collective sequence differs from rank 0's.
+
+  Example:
+    >>> a = (("SyncBatchNorm layer BatchNorm_0", (3, 4), "float32"),)
+    >>> describe_sequences([a, a + a], "data_parallel")[:60]
+    'data_parallel: the ranks traced different in-step collective'
+  """
+  ref = everyone[0]
+  details = []
+  for rank, seq in enumerate(everyone):
+    if seq == ref:
+      continue
+    i = next((i for i, (a, b) in enumerate(zip(seq, ref)) if a != b), min(len(seq), len(ref)))
+    details.append(
+        f"rank {rank} traced {len(seq)} collective(s), rank 0 {len(ref)}; the first difference is"
+        f" collective {i + 1}: rank {rank} {_entry(seq, i)}, rank 0 {_entry(ref, i)}")
+  return (
+      f"{caller}: the ranks traced different in-step collectives, so the step would wait"
+      " forever for a collective some rank never issues, or MPI would mix unrelated"
+      f" buffers. {'; '.join(details)}. Build the same model on every rank (the same"
+      " SyncBatchNorm layers with the same feature widths, called in the same order);"
+      " nothing was exchanged.")
+
+
+def _entry(sequence: tuple, i: int) -> str:
+  if i >= len(sequence):
+    return "nothing (its step ends there)"
+  what, shape, dtype = sequence[i]
+  return f"{what} ({dtype}{list(shape)})"

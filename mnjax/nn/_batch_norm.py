@@ -49,6 +49,7 @@ from jax.extend import core as _jax_core  # the trace identity that scopes the o
 from mnjax.comm._collectives import sum_buffer
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._host import allreduce_persistent  # a host collective; exported here too
+from mnjax.guard import _preflight as preflight
 
 __all__ = ["SyncBatchNorm", "allreduce_persistent"]
 
@@ -69,7 +70,10 @@ class SyncBatchNorm(nn.Module):
   ``nn.BatchNorm``.
 
   Call it on every rank, in the same layers, with the same feature shapes (SPMD); batch
-  sizes may differ between ranks (the counts travel with the sums).
+  sizes may differ between ranks (the counts travel with the sums). In a step run by
+  `mnjax.data_parallel` (training or forward-only) that is checked once per trace, before
+  the step first runs: a rank with another number of layers or another feature width
+  raises the same `ValueError` on every rank, naming the layer and the ranks.
 
   Example:
     >>> norm = functools.partial(mnjax.SyncBatchNorm, comm)
@@ -146,7 +150,9 @@ class SyncBatchNorm(nn.Module):
               else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).astype(dtype))
     count = jnp.broadcast_to(weight, x.shape).sum(reduction_axes)
     # During init no collective: the axis and the other ranks need not exist (as flax).
-    reduce = _local_sum if self.is_initializing() else functools.partial(_chained_sum, self.comm)
+    layer = "/".join(self.scope.path) or type(self).__qualname__
+    reduce = (_local_sum if self.is_initializing()
+              else functools.partial(_chained_sum, self.comm, f"SyncBatchNorm layer {layer}"))
     if self.use_fast_variance:
       s1, s2, n = reduce(jnp.stack([(x * weight).sum(reduction_axes),
                                     (x * x * weight).sum(reduction_axes), count]))
@@ -191,10 +197,12 @@ def _local_sum(stacked):
   return tuple(stacked)
 
 
-def _chained_sum(comm: Communicator, stacked: jax.Array) -> tuple:
-  """Global sum of `stacked`, ordered after the previous SyncBatchNorm collective."""
+def _chained_sum(comm: Communicator, layer: str, stacked: jax.Array) -> tuple:
+  """Global sum of `stacked`, ordered after the previous SyncBatchNorm collective, and
+  noted for the step's pre-flight check (`mnjax.guard._preflight.recording`)."""
   if comm.num_replicas == 1:
     return tuple(stacked)
+  preflight.note_collective(layer, stacked.shape, stacked.dtype)
   flat = stacked.reshape(-1)
   total = _global_sum(comm, flat, _CHAIN.take(flat.dtype))
   _CHAIN.put(total)

@@ -3,7 +3,9 @@
 * `data_parallel`: the right execution of a per-device step for the communicator kind.
 * `allreduce_metrics` / `global_mean`: exact metrics from per-rank sums and counts.
 * `mean_metrics`: exact metrics from per-rank means (a step ported from ``jax.lax.pmean``).
-* `MetricsLog`, `write_config`, `save_params`: a run's work directory, written by rank 0.
+* `MetricsLog`, `write_config`, `save_params`: a run's work directory, written by rank 0;
+  a failed write raises the same error on every rank.
+* `WorkdirLock`: one run per work directory (`train_loop` holds it while it runs).
 * The classifier (`create_train_state`, `make_train_step`, `evaluate` over masked batches):
   one state, step and evaluation, with or without batch statistics.
 * `train_loop`: the guarded epoch loop every experiment runs, with its `RunConfig`.
@@ -26,6 +28,7 @@ from mnjax.train._classifier import (
     zero_sums,
 )
 from mnjax.train._flags import check_fields, flag, load_config, parse_flags
+from mnjax.train._lock import WorkdirLock
 from mnjax.train._loop import RunConfig, guarded_optimizer, skipped_steps, train_loop
 from mnjax.train._metrics import allreduce_metrics, global_mean, mean_metrics
 from mnjax.train._parallel import data_parallel
@@ -35,6 +38,7 @@ __all__ = [
     "MetricsLog",
     "RunConfig",
     "TrainState",
+    "WorkdirLock",
     "allreduce_metrics",
     "check_fields",
     "classification_sums",

@@ -5,7 +5,9 @@ around the step that must not differ between experiments: resuming from the newe
 checkpoint (`mnjax.LoopCheckpoints`, bit for bit, mid-epoch too), the stall watchdog, the
 divergence check on `mnjax.skip_nonfinite`'s counters, the replica comparison after every
 epoch, exact global metrics, the JSON-lines log, the progress bar, checkpoints every
-``checkpoint_steps`` steps and every ``checkpoint_every`` epochs. An experiment builds its
+``checkpoint_steps`` steps and every ``checkpoint_every`` epochs (a save that fails stops
+the run on every rank before the next epoch is recorded, and a resumed run cuts
+``metrics.jsonl`` back to the checkpoint it resumes from). An experiment builds its
 data, model and optimizer and hands over three things: the step, the batches of an epoch
 and, optionally, the evaluation batches.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -37,6 +40,7 @@ from mnjax.optim._allreduce import allreduce_gradients
 from mnjax.optim._nonfinite import SkipNonFiniteState, raise_if_diverging, skip_nonfinite
 from mnjax.train._classifier import TrainState, evaluate, zero_sums
 from mnjax.train._flags import check_fields, flag
+from mnjax.train._lock import WorkdirLock
 from mnjax.train._metrics import allreduce_metrics, global_mean
 from mnjax.train._workdir import MetricsLog, write_config
 
@@ -63,7 +67,7 @@ class RunConfig:
   # Fields that fix the data order and the optimizer: a resumed run must keep them.
   resume_settings: ClassVar[tuple[str, ...]] = ("global_batch_size", "seed")
 
-  epochs: int = flag(minimum=0, help="train until this epoch (resumed runs: the rest)")
+  epochs: int = flag(minimum=1, help="train until this epoch (resumed runs: the rest)")
   global_batch_size: int = flag(minimum=1, help="examples per step over all replicas")
   workdir: str = flag(help="config.json, metrics.jsonl, checkpoints/ go here (rank 0)")
   seed: int = flag(0, help="initialisation and data order")
@@ -201,13 +205,27 @@ def _epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: Any, 
   return state, sums, step, images, waited, max(time.perf_counter() - start, 1e-9)
 
 
+def _holding_the_workdir(loop: Callable) -> Callable:
+  """`loop` runs holding ``<config.workdir>/mnjax.lock``, taken before anything is written
+  there (a second run in the directory stops on every rank) and released when it returns
+  or raises."""
+  @functools.wraps(loop)
+  def holding(config: RunConfig, comm: Communicator, *args, **kwargs):
+    with WorkdirLock(config.workdir, comm):
+      return loop(config, comm, *args, **kwargs)
+  return holding
+
+
+@_holding_the_workdir
 def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
                train_step: Callable, batches: Callable[[int, int], Iterable], *,
                steps_per_epoch: int, eval_batches: Callable[[], Iterable] | None = None,
                header: str = "") -> tuple[TrainState, dict]:
   """Trains `state` for ``config.epochs`` epochs (the rest of them with ``config.resume``).
 
-  Collective: call on every rank with the same arguments.
+  Collective: call on every rank with the same arguments. Holds the work directory while it
+  runs (`mnjax.train.WorkdirLock`): a second run started in the same ``config.workdir``
+  stops at once, on every rank, naming the run that holds it.
 
   Args:
     config: the run's settings (`RunConfig` or a subclass).
@@ -242,6 +260,8 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
   step = int(state.step)
   write_config(config.workdir, config, comm)
   log = MetricsLog(config.workdir, comm)
+  if config.resume:  # records past the restored position are of work the checkpoint lost
+    log.truncate_after(first_epoch - 1)
   baseline = _baseline_rate(config.baseline_workdir)
   if comm.is_root:
     print(f"mnjax: {header + ', ' if header else ''}{comm.summary}"
@@ -253,7 +273,7 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
   record: dict = {}
   watchdog = Watchdog(comm, timeout=config.stall_timeout) if config.stall_timeout else None
   with contextlib.ExitStack() as stack:
-    stack.callback(checkpoints.close)
+    stack.enter_context(checkpoints)  # leaving normally: waits for the last save, collective
     if watchdog is not None:
       stack.enter_context(watchdog)
     for epoch in range(first_epoch, config.epochs + 1):
@@ -276,6 +296,7 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
       if baseline:
         record["parallel_efficiency"] = per_rank / baseline
       record.update(_evaluation(state, eval_batches, comm))
+      checkpoints.wait()  # a failed save ends the run on every rank before the next record
       log.write(**record)
       if comm.is_root:
         print(_line(record, compiled=epoch == first_epoch), flush=True)

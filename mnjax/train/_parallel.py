@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.guard import _preflight as preflight
 
 __all__ = ["data_parallel"]
 
@@ -49,13 +50,17 @@ def data_parallel(
   device of this process, for every kind alike (``flat``: one row), as ``jax.pmap`` returns
   them. A Python number there (``{"count": 32}``) becomes a row per device, as under
   ``pmap``; any other leaf that is not an array is a `TypeError` naming the output, raised
-  on every rank while the step is traced.
+  on every rank while the step is traced. The in-step collectives of `mnjax.SyncBatchNorm`
+  layers in `fn` are compared across ranks once per trace, before the step first runs
+  (`mnjax.guard._preflight.check_collective_sequence`): another number of layers or another
+  feature width on some rank is a `ValueError` on every rank, not a hang.
 
   Args:
     fn: ``fn(*args)``, written for one device and one device's share of the batch.
     comm: the `Communicator`; for ``flat`` the result is just ``jax.jit(fn)``.
     batch_argnums: positions (ints >= 0) of the arguments whose leaves are split along axis
-      0 across the local devices (this process's batch); the others are replicated.
+      0 across the local devices (this process's batch); the others are replicated. A
+      position past the arguments of a call is a `ValueError` at that call (every kind).
     per_device_outputs: positions (ints >= 0) in `fn`'s output tuple that differ per
       device; `fn` must then return a tuple.
 
@@ -80,8 +85,14 @@ def data_parallel(
   batch_argnums = _positions(batch_argnums, "batch_argnums", "step argument")
   per_device_outputs = _positions(per_device_outputs, "per_device_outputs", "output of fn")
 
+  agreed: set = set()  # the collective sequences this step's ranks have agreed on
+
   def stacked(*args):  # per-device outputs get a leading axis: one row per device
-    out = fn(*args)
+    _check_batch_positions(batch_argnums, len(args))  # while tracing: once per compilation
+    with preflight.recording() as collectives:  # SyncBatchNorm's, in call order
+      out = fn(*args)
+    preflight.check_collective_sequence(comm, collectives, caller="data_parallel",
+                                        agreed=agreed)
     if not per_device_outputs:
       return out
     out = list(_output_tuple(out, per_device_outputs))
@@ -106,6 +117,7 @@ def data_parallel(
   shardings = _XlaShardings.of(comm) if comm.kind == "xla" else None
 
   def step(*args):
+    _check_batch_positions(batch_argnums, len(args))
     for i in batch_argnums:
       for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
         rows = leaf.shape[0] if getattr(leaf, "ndim", 0) else None
@@ -144,6 +156,17 @@ def _positions(value: Any, name: str, what: str) -> tuple[int, ...]:
         f"data_parallel: {name} must be positions (ints >= 0, each the index of a {what}),"
         f" got {value!r}. Count from the start: for the last of three, pass 2.")
   return tuple(int(p) for p in positions)
+
+
+def _check_batch_positions(batch_argnums: tuple[int, ...], nargs: int) -> None:
+  """Raises `ValueError` if `batch_argnums` names a position past the step's arguments."""
+  beyond = [i for i in batch_argnums if i >= nargs]
+  if beyond:
+    raise ValueError(
+        f"data_parallel: batch_argnums={batch_argnums} names position(s) {beyond}, but the"
+        f" step was called with {nargs} argument(s), so nothing would be split there."
+        " Name the positions of the batch arguments (e.g. batch_argnums=(1, 2) for"
+        " step(state, images, labels)).")
 
 
 def _output_tuple(out: Any, per_device_outputs: tuple) -> tuple:

@@ -255,3 +255,63 @@ def test_allreduce_persistent_mismatch_raises_on_every_rank(comm):
   stats = {"mean": np.zeros(3 if comm.rank == 0 else 4, np.float32)}
   with pytest.raises(ValueError, match="differs from rank 0"):
     mnjax.allreduce_persistent(stats, comm)
+
+
+class Stack(nn.Module):
+  """`layers` SyncBatchNorm layers of `width` features each (a Dense in front of each)."""
+
+  comm: mnjax.Communicator
+  layers: int
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.layers):
+      x = mnjax.SyncBatchNorm(self.comm, use_running_average=False)(nn.Dense(self.width)(x))
+    return x
+
+
+def forward_only(comm, model):
+  """A forward-only step (recalibrating batch statistics) under data_parallel."""
+  x = jnp.ones((2, 5))
+  variables = model.init(jax.random.key(0), x)
+  step = mnjax.data_parallel(
+      lambda v, x: model.apply(v, x, mutable=["batch_stats"])[1], comm, batch_argnums=(1,))
+  return step, variables, x
+
+
+@pytest.mark.parametrize("layers, width", [(2, 4), (3, 4), (2, 6)])
+def test_another_number_of_layers_or_width_on_one_rank_raises_on_every_rank(comm, layers, width):
+  if comm.size == 1:
+    pytest.skip("a mismatch between ranks needs >= 2 ranks (runs under mpirun)")
+  # Before: a hang (one more layer on the last rank) or MPICH's "Message truncated" abort.
+  last = comm.rank == comm.size - 1
+  model = Stack(comm, layers if last else 2, width if last else 4)
+  if (layers, width) == (2, 4):  # the same model everywhere: runs, once checked
+    step, variables, x = forward_only(comm, model)
+    step(variables, x)
+    return
+  step, variables, x = forward_only(comm, model)
+  where = "collective 3: rank .* nothing" if layers == 3 else (
+      r"collective 1: rank \d+ SyncBatchNorm layer BatchNorm_0 \(float32\[3, 6\]\)")
+  with pytest.raises(ValueError, match=rf"the ranks traced different in-step collectives.*"
+                                       rf"rank {comm.size - 1} traced {layers}"
+                                       rf" collective\(s\).*{where}"):
+    step(variables, x)
+  assert comm.mpi_comm.allreduce(1) == comm.size  # the ranks are still in step
+
+
+def test_the_collective_check_runs_once_per_trace_not_per_step(comm, monkeypatch):
+  from mnjax.guard import _preflight as preflight
+
+  rounds = []
+  gather = preflight.gather_if_different
+  monkeypatch.setattr(preflight, "gather_if_different",
+                      lambda *a, **k: rounds.append(1) or gather(*a, **k))
+  step, variables, x = forward_only(comm, Stack(comm, 1, 7))  # a new step: one round at its trace
+  for _ in range(3):
+    stats = step(variables, x)
+  assert len(rounds) == (1 if comm.size > 1 else 0)
+  step(variables, jnp.ones((4, 5)))  # a retrace for another batch size: already agreed
+  assert len(rounds) == (1 if comm.size > 1 else 0)
+  assert stats["batch_stats"]["BatchNorm_0"]["mean"].shape == (7,)

@@ -1,6 +1,7 @@
 """Checkpointer: exact round trip, keep N, verified restore with fallback, the same step on
 every rank (1 process and under mpirun -n 2 and -n 3; rank 0 writes, in its own tmp_path)."""
 
+import re
 from pathlib import Path
 
 import jax
@@ -120,14 +121,82 @@ def test_a_run_resumed_past_a_damaged_step_saves_that_step_again(comm, tmp_path)
   assert step == 2 and float(state["w"][0]) == 20.0
 
 
-def test_restoring_into_a_different_tree_is_refused(comm, tmp_path):
+def test_restoring_into_a_different_tree_is_a_template_error(comm, tmp_path):
   with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
     ckpt.save(1, {"w": jnp.ones(3)})
     ckpt.wait()
-    with pytest.raises(mnjax.CorruptCheckpointError,
-                       match=r"different tree.*\['w'\] saved as float32\(3,\),"
-                             r" expected float32\(4,\)"):
+    with pytest.raises(mnjax.checkpoint.CheckpointTemplateError,
+                       match=r"checkpoint 1 .* reads back \(it is not damaged\).*different tree"
+                             r".*\['w'\] saved as float32\(3,\), template float32\(4,\)"):
       ckpt.restore({"w": jnp.ones(4)})
+
+
+def test_a_list_template_against_a_dict_checkpoint_names_both_containers(comm, tmp_path):
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
+    ckpt.save(1, {"a": jnp.ones(3), "b": jnp.zeros(3)})
+    ckpt.wait()
+    with pytest.raises(mnjax.checkpoint.CheckpointTemplateError) as error:
+      ckpt.restore([jnp.ones(3), jnp.zeros(3)])
+  message = str(error.value)
+  assert "leaves only in the checkpoint [\"['a']\", \"['b']\"]" in message
+  assert "only in the template ['[0]', '[1]']" in message
+  assert "checkpoint {'a': *, 'b': *}; template [*, *]" in message
+
+
+def test_a_template_error_does_not_fall_back_to_an_older_checkpoint(comm, tmp_path):
+  # Step 1 matches the template, step 2 (newer, intact) does not: loading step 1 would
+  # silently resume from older work; the error names step 2 and nothing is touched.
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
+    ckpt.save(1, {"w": jnp.ones(3)})
+    ckpt.save(2, {"w": jnp.ones(5)})
+    ckpt.wait()
+    with pytest.raises(mnjax.checkpoint.CheckpointTemplateError, match="checkpoint 2 "):
+      ckpt.restore({"w": jnp.ones(3)})
+    assert ckpt.steps() == [1, 2]
+
+
+def test_a_template_that_differs_on_one_rank_fails_on_every_rank(comm, tmp_path):
+  if comm.size == 1:
+    pytest.skip("needs ranks that disagree (runs under mpirun)")
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
+    ckpt.save(1, {"w": jnp.ones(3)})
+    ckpt.wait()
+    wrong = list(range(1, comm.size))
+    with pytest.raises(mnjax.checkpoint.CheckpointTemplateError,
+                       match=re.escape(f"on ranks {wrong} of {comm.size}): ['w'] saved as")):
+      ckpt.restore({"w": jnp.ones(3 if comm.rank == 0 else 2)})
+
+
+def test_a_failed_background_write_is_reported_on_every_rank(comm, tmp_path, monkeypatch):
+  from support.failing_save_train import fail_save, fired
+
+  fail_save(2, monkeypatch.setattr)  # as on a full disk: orbax only logs it
+  # keep=1: orbax alone would delete step 1 when it starts step 2, leaving nothing.
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm, keep=1) as ckpt:
+    ckpt.save(1, {"w": jnp.ones(3)})
+    ckpt.save(2, {"w": jnp.full(3, 2.0)})
+    with pytest.raises(mnjax.checkpoint.CheckpointSaveError,
+                       match=r"checkpoint 2 was not written.*on disk are steps \[1\].*--resume"):
+      ckpt.wait()
+    if comm.rank == 0:
+      assert fired[-1] == 2  # the hook ran
+    assert ckpt.steps() == [1]
+    step, state, _ = ckpt.restore({"w": jnp.zeros(3)})
+    assert step == 1 and float(state["w"][0]) == 1.0
+    ckpt.save(3, {"w": jnp.full(3, 3.0)})  # the directory is still usable
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
+    assert ckpt.steps() == [3]
+
+
+def test_a_failed_write_is_reported_by_the_next_save_too(comm, tmp_path, monkeypatch):
+  from support.failing_save_train import fail_save
+
+  fail_save(1, monkeypatch.setattr)
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
+    ckpt.save(1, {"w": jnp.ones(3)})
+    with pytest.raises(mnjax.checkpoint.CheckpointSaveError, match="checkpoint 1 was not"):
+      ckpt.save(2, {"w": jnp.ones(3)})
+    assert ckpt.steps() == []
 
 
 def test_saving_different_steps_on_different_ranks_is_refused(comm, tmp_path):

@@ -133,3 +133,50 @@ def test_in_step_allreduce_refuses_differentiation_with_a_clear_error(comm):
 
   with pytest.raises(NotImplementedError, match="reduce gradients after jax.grad"):
     jax.grad(lambda v: allreduce_sum(v, comm.device_comm).sum())(jnp.ones(3))
+
+
+def test_broadcast_refuses_different_roots_on_every_rank(comm):
+  if comm.size == 1:
+    pytest.skip("different roots need >= 2 ranks (runs under mpirun)")
+  # Before: a hang with a big tree, or rank 1 silently holding rank 0's data.
+  root = 1 if comm.rank == 1 else 0
+  listed = ", ".join(f"rank {r} root={1 if r == 1 else 0}" for r in range(comm.size))
+  with pytest.raises(ValueError, match=rf"broadcast: every rank must pass the same root, but"
+                                       rf" {listed}\."):
+    mnjax.broadcast({"w": np.full(3, float(comm.rank))}, comm, root=root)
+  # A root out of range on one rank only is the same disagreement, not a hang.
+  with pytest.raises(ValueError, match=r"every rank must pass the same root, .*root=7"):
+    mnjax.broadcast({"w": np.zeros(3)}, comm, root=7 if comm.rank == comm.size - 1 else 0)
+  with pytest.raises(ValueError, match=r"root must be a rank in \[0, "):
+    mnjax.broadcast({"w": np.zeros(3)}, comm, root=comm.size)  # the same bad root everywhere
+  assert comm.mpi_comm.allreduce(1) == comm.size
+
+
+def test_broadcast_refuses_a_list_on_one_rank_and_a_tuple_on_another(comm):
+  if comm.size == 1:
+    pytest.skip("a mismatch between ranks needs >= 2 ranks (runs under mpirun)")
+  last = comm.rank == comm.size - 1
+  tree = {"layers": (np.zeros(2), np.ones(2)) if last else [np.zeros(2), np.ones(2)]}
+  with pytest.raises(ValueError, match=rf"rank {comm.size - 1} has a tuple at \['layers'\]"
+                                       r" where rank 0 has a list"):
+    mnjax.broadcast(tree, comm)
+  with pytest.raises(ValueError, match=r"allreduce_metrics: .*tuple at \['pair'\]"):
+    mnjax.allreduce_metrics({"pair": (1, 2) if last else [1, 2]}, comm)
+  with pytest.raises(ValueError, match=r"mean_metrics: .*tuple at \['pair'\]"):
+    mnjax.mean_metrics({"pair": (1.0, 2.0) if last else [1.0, 2.0]}, comm)
+  assert comm.mpi_comm.allreduce(1) == comm.size
+
+
+def test_a_python_float_gradient_leaf_is_judged_alike_at_init_and_in_jit(comm):
+  # Before: refused at init ("integer leaves"), accepted inside jit.
+  tx = optax.chain(mnjax.allreduce_gradients(comm), optax.sgd(1.0))
+  params = {"w": jnp.ones(2), "scale": 0.5}
+  state = tx.init(params)  # float32 under jit, so accepted here too
+  updates, _ = jax.jit(tx.update)({"w": jnp.ones(2), "scale": 0.25}, state, params)
+  assert float(updates["scale"]) == pytest.approx(-0.25)
+  for leaf, came in [(3, r"dtype int32 \(a Python int, 3\)"),
+                     ("x", r"no dtype \(a str, 'x'\)")]:
+    with pytest.raises(TypeError, match=rf"leaf \['n'\] has {came}\. Only arrays of floats"):
+      tx.init({"n": leaf})
+  with pytest.raises(TypeError, match=r"leaf \['n'\] has dtype int32\. Only arrays of floats"):
+    jax.jit(mnjax.allreduce_gradients(comm).update)({"n": 3}, optax.EmptyState())

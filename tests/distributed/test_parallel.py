@@ -65,3 +65,13 @@ def test_positions_are_checked_when_the_step_is_built(comm, argument):
     with pytest.raises(ValueError, match=f"{argument} must be positions"):
       mnjax.data_parallel(lambda *a: a, comm, **{argument: bad})
   mnjax.data_parallel(lambda *a: a, comm, **{argument: np.int64(1)})  # one position
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_position_past_the_arguments_is_an_error_naming_their_number(kind):
+  # Before: ignored under flat (nothing split), a raw IndexError under the others.
+  kc = mnjax.create_communicator(kind)
+  run = mnjax.data_parallel(lambda p, x: (p, x.sum()), kc, batch_argnums=(5,))
+  with pytest.raises(ValueError, match=r"batch_argnums=\(5,\) names position\(s\) \[5\], but"
+                                       r" the step was called with 2 argument\(s\)"):
+    run(jnp.ones(3), np.ones(2 * kc.local_device_count, np.float32))

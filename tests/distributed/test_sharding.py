@@ -149,3 +149,11 @@ def test_replicas_see_one_process_global_batches_under_any_grouping(comm, kind):
     np.testing.assert_array_equal(np.concatenate(gather(comm, mask)), expected_mask)
     steps += 1
   assert steps == len(one[0]) == -(-n // global_batch)
+
+
+def test_an_empty_dataset_says_so_instead_of_suggesting_fewer_ranks(comm):
+  with pytest.raises(ValueError, match=r"the dataset is empty \(0 examples\)") as error:
+    mnjax.scatter_index(0, comm)
+  assert "at most" not in str(error.value)
+  with pytest.raises(ValueError, match="the dataset is empty"):
+    mnjax.scatter_dataset([], comm)

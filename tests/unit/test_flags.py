@@ -50,6 +50,8 @@ def test_a_config_file_gives_the_values_and_flags_override_them(tmp_path):
     (["--model", "huge"], "Toy: model (--model) must be one of ['small', 'big'], got 'huge'"),
     (["--rate", "-1"], "Toy: rate (--rate) must be >= 0.0, got -1.0"),
     (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
+    (["--epochs", "0"], "Toy: epochs (--epochs) must be >= 1, got 0"),  # no untrained result
+    (["--checkpoint_steps", "-1"], "checkpoint_steps (--checkpoint_steps) must be >= 0, got -1"),
     (["--comm", "ring"], "comm (--comm) must be one of ['auto', 'flat'"),
     (["--bucket_mb", "-1"], "--bucket_mb must be 'auto', 0 (one buffer per dtype) or a positive"),
     (["--wire_dtype", "int8"], "wire_dtype must be None"),
