@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mnjax.comm import _primitives as mpi_ops
+from mnjax.comm import _sequence as sequence
 from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import Communicator, check_communicator
 
@@ -324,8 +325,13 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   # 16-bit exchange (no float32 local psum first) leaves are packed straight into the wire
   # dtype: one pass over the gradients instead of two.
   half_pack = wire_dtype is not None and comm.kind in ("flat", "single_node", "xla")
-  for bucket in plan_buckets(leaves, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes):
+  buckets = plan_buckets(leaves, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
+  for k, bucket in enumerate(buckets):
     members = [leaves[i] for i in bucket.positions]
+    sequence.note_collective(  # the step's fingerprint (`mnjax.guard._preflight`)
+        f"allreduce_tree bucket {k + 1} of {len(buckets)}",
+        (sum(int(np.size(m)) for m in members),),
+        bucket.dtype if wire_dtype is None else wire_dtype)
     if _in_place(members, bucket, wire_dtype, comm):
       # A leaf alone in its bucket is reduced where it lies, in its own shape: raveling it
       # first makes XLA:CPU copy it into a fresh buffer and back around the in-place call

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from mnjax.comm import _compat as compat
 from mnjax.comm import _cuda_mpi as cuda_mpi
+from mnjax.comm import _departures as departures
 from mnjax.comm import _devices as devices_lib
 from mnjax.comm import _failfast as failfast
 
@@ -357,6 +358,7 @@ def create_communicator(
     jax.config.update("jax_default_device", devices[0])
   if abort_on_error and clone.size > 1:
     failfast.install()
+  departures.announce()  # a normal exit tells the peers (`mnjax.comm._departures`)
   comm = Communicator(
       kind=kind,
       rank=clone.rank,

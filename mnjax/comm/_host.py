@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
+from mnjax.comm import _departures as departures
 from mnjax.comm._collectives import group_by_dtype
 from mnjax.comm._communicator import Communicator, check_communicator
 
@@ -72,13 +73,16 @@ def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
 
 
 def gather_if_different(comm: Communicator, value: Any, *, timeout: float | None = None,
-                        timeout_message: str = "") -> list[Any] | None:
+                        timeout_message: str = "", what: str = "a host collective"
+                        ) -> list[Any] | None:
   """None when every rank passed an equal `value`; otherwise every rank's value.
 
   Collective over ``comm.mpi_comm``: one allgather of a 16-byte BLAKE2b hash of
   ``repr(value)`` (so `value` needs a deterministic ``repr``); the values themselves travel
   only on a mismatch, and every rank then gets the same list. With `timeout`, a rank that
-  waits longer for the others raises `TimeoutError` with `timeout_message`.
+  waits longer for the others raises `TimeoutError` with `timeout_message`. A rank that
+  finished its program while the others wait here (`mnjax.comm._departures`) is a
+  `RuntimeError` on each of them, naming it and `what` they wait in.
 
   Example:
     >>> gather_if_different(comm, tree_signature({"w": np.zeros(3)})) is None  # same everywhere
@@ -89,18 +93,38 @@ def gather_if_different(comm: Communicator, value: Any, *, timeout: float | None
   mine = np.frombuffer(
       hashlib.blake2b(repr(value).encode(), digest_size=_HASH_BYTES).digest(), np.uint8)
   everyone = np.empty((comm.size, _HASH_BYTES), np.uint8)
-  if timeout is None:
-    comm.mpi_comm.Allgather(mine, everyone)
-  else:
-    request = comm.mpi_comm.Iallgather(mine, everyone)
-    deadline = time.monotonic() + timeout
-    while not request.Test():
-      if time.monotonic() > deadline:
-        raise TimeoutError(timeout_message)
-      time.sleep(1e-3)
+  _wait(comm, comm.mpi_comm.Iallgather(mine, everyone), timeout, timeout_message, what)
   if (everyone == everyone[0]).all():
     return None
   return comm.mpi_comm.allgather(value)
+
+
+#: Seconds a rank keeps waiting after learning that a peer finished: the peer may have done
+#: its part of this very collective just before it left.
+DEPARTURE_GRACE = 2.0
+
+
+def _wait(comm: Communicator, request: Any, timeout: float | None, timeout_message: str,
+          what: str) -> None:
+  """Completes `request`, or raises on a timeout or on a peer that finished meanwhile."""
+  start = time.monotonic()
+  gone_since = None
+  while not request.Test():
+    now = time.monotonic()
+    if timeout is not None and now - start > timeout:
+      raise TimeoutError(timeout_message)
+    if gone_since is None and now - start > 0.05 and departures.departed(comm.mpi_comm):
+      gone_since = now
+    if gone_since is not None and now - gone_since > DEPARTURE_GRACE:
+      gone = departures.departed(comm.mpi_comm)
+      raise RuntimeError(
+          f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} finished"
+          f" {'their programs' if len(gone) > 1 else 'its program'} (exited normally) while"
+          f" the other ranks wait for every rank in {what}: the job cannot go on. The ranks"
+          " must run the same program (the same steps, the same calls of mnjax's"
+          " collectives and checks); look for a loop, a condition or a model that differs"
+          " between ranks.")
+    time.sleep(1e-3 if now - start < 1.0 else 1e-2)
 
 
 def tree_containers(tree: Any) -> tuple[tuple[str, str], ...]:
@@ -143,7 +167,8 @@ def check_same_tree(tree: Any, comm: Communicator, caller: str, *, root: int = 0
     >>> check_same_tree({"mean": np.zeros(3)}, comm, "my_average")  # before moving it
   """
   arguments = {name: repr(value) for name, value in (arguments or {}).items()}
-  everyone = gather_if_different(comm, (arguments, tree_containers(tree), tree_signature(tree)))
+  everyone = gather_if_different(comm, (arguments, tree_containers(tree), tree_signature(tree)),
+                                 what=f"{caller}'s check that every rank passed the same tree")
   if everyone is None:
     return
   for name in arguments:

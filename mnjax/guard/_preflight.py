@@ -14,28 +14,28 @@ once, at its first call, and a user's own step that only composes the transforma
 an optax chain is protected too. A mismatch raises the same `ValueError` on every rank,
 naming the leaf, the ranks and their shapes and dtypes, before any collective is issued.
 
-The in-step collectives of layers (`mnjax.SyncBatchNorm`, which also runs in forward-only
-steps without `allreduce_gradients`) are checked the same way, as one sequence: while a
-step is traced inside `recording` (`mnjax.data_parallel` opens it around the step), each
-layer notes its collective (`note_collective`: the layer, the buffer's shape and dtype), and
-`check_collective_sequence` compares the whole sequence across ranks with one host
-allgather before the compiled step first runs: a rank with an extra layer or another
-feature width is named, instead of a hang or an MPI "Message truncated" abort. A sequence
-a step has agreed on is not compared again (a retrace for another batch size, on one rank
-only, needs no round), so it costs nothing per step.
+The whole step's sequence of in-step collectives is checked the same way, as one
+fingerprint: while a step is traced inside `recording` (`mnjax.data_parallel` opens it
+around the step), each mnjax collective notes itself (`mnjax.comm._sequence`: each
+`mnjax.SyncBatchNorm` layer, which also runs in forward-only steps without
+`allreduce_gradients`, and each gradient bucket), and `check_collective_sequence` compares
+the sequence across ranks with one host allgather before the compiled step first runs: a
+rank with an extra layer, another feature width, or no layer at all is named, instead of a
+hang or an MPI "Message truncated" abort. A sequence a step has agreed on is not compared
+again (a retrace for another batch size, on one rank only, needs no round), so it costs
+nothing per step. A SyncBatchNorm layer traced across processes outside any `recording`
+(plain ``jax.jit``) is refused: nothing could check it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from mnjax.comm._communicator import Communicator
 from mnjax.comm._host import gather_if_different, tree_signature
+from mnjax.comm._sequence import note_collective, recording
 
 __all__ = [
     "DEFAULT_TIMEOUT", "check_collective_sequence", "check_same_on_all_ranks",
@@ -70,7 +70,7 @@ def check_same_on_all_ranks(comm: Communicator, what: str, signature: Any, *,
     ...                         caller="allreduce_gradients")
   """
   signatures = gather_if_different(
-      comm, signature, timeout=timeout, timeout_message=(
+      comm, signature, what=f"{caller}'s check of {what}", timeout=timeout, timeout_message=(
           f"{caller}: rank {comm.rank} waited {timeout:.0f} s for the other ranks to check"
           f" {what} before the first exchange, and not all of them came. Every rank must"
           " trace the step (call it with the same shapes, in the same order); a step"
@@ -134,58 +134,18 @@ def _tree_differences(tree: tuple, ref: tuple) -> list[str]:
   return out
 
 
-class _Recordings(threading.local):
-  """The sequences being recorded by the open `recording` blocks of this thread."""
-
-  def __init__(self):
-    self.open: list[list[tuple]] = []
-
-
-_RECORDINGS = _Recordings()
-
-
-def note_collective(what: str, shape: Any, dtype: Any) -> None:
-  """Notes an in-step collective being traced (`what`: e.g. the layer's path) in every open
-  `recording`; nothing when none is open. Costs nothing at run time.
-
-  Example:
-    >>> with recording() as log:
-    ...   note_collective("SyncBatchNorm layer BatchNorm_0", (3, 16), "float32")
-    >>> log
-    [('SyncBatchNorm layer BatchNorm_0', (3, 16), 'float32')]
-  """
-  for log in _RECORDINGS.open:
-    log.append((what, tuple(int(d) for d in shape), str(dtype)))
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list[tuple]]:
-  """The list of collectives `note_collective` notes while the block runs (a step traced).
-
-  Example:
-    >>> with recording() as log:
-    ...   pass                    # e.g. out = fn(*args), while tracing the step
-    >>> check_collective_sequence(comm, log, caller="data_parallel")
-  """
-  log: list[tuple] = []
-  _RECORDINGS.open.append(log)
-  try:
-    yield log
-  finally:
-    _RECORDINGS.open.pop()
-
-
 def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
                               agreed: set | None = None,
                               timeout: float = DEFAULT_TIMEOUT) -> None:
   """Raises `ValueError` on every rank unless every rank traced the same in-step
   collectives (`recording`), in the same order, with the same shapes and dtypes.
 
-  Collective over ``comm.mpi_comm``, except for an empty `sequence` and one already in
-  `agreed` (the sequences one step has agreed on: a retrace of that step for another batch
-  size, on one rank only, needs no round); an agreed sequence is added to it. A rank whose
-  step has no recorded collective takes no part: the others then time out after `timeout`
-  seconds with a message, instead of waiting in the step forever.
+  Collective over ``comm.mpi_comm``, except for a `sequence` already in `agreed` (the
+  sequences one step has agreed on: a retrace of that step for another batch size, on one
+  rank only, needs no round); an agreed sequence is added to it. An empty
+  sequence is compared too (a rank without the layers the others have must say so), so
+  every rank must trace the step: a rank that finished meanwhile is named
+  (`mnjax.comm._departures`), one that never comes is a `TimeoutError` after `timeout` s.
 
   Example:
     >>> check_collective_sequence(comm, [("SyncBatchNorm layer BatchNorm_0", (3, 16),
@@ -193,10 +153,11 @@ def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
   """
   sequence = tuple(sequence)
   agreed = set() if agreed is None else agreed
-  if comm.size == 1 or not sequence or sequence in agreed:
+  if comm.size == 1 or sequence in agreed:
     return
   everyone = gather_if_different(
-      comm, sequence, timeout=timeout, timeout_message=(
+      comm, sequence, what=f"{caller}'s check of the step's in-step collectives",
+      timeout=timeout, timeout_message=(
           f"{caller}: rank {comm.rank} waited {timeout:.0f} s for the other ranks to check"
           f" the {len(sequence)} in-step collective(s) of its step (the first:"
           f" {_entry(sequence, 0)}), and not all of them came. Every rank must run the same"

@@ -15,7 +15,12 @@ over a private MPI communicator, and rank 0 answers with a heartbeat. Then:
   handlers, e.g. mpi4jax's GPU ones);
 - a rank rank 0 has not heard from for ``heartbeat_timeout`` seconds is *silent* (dead, or
   its process holds the Python GIL): rank 0 aborts; a rank that does not hear rank 0 for
-  that long aborts, naming rank 0.
+  that long aborts, naming rank 0;
+- a rank that has waited ``FINISHED_GRACE`` seconds (at most ``timeout``) inside an in-step
+  collective that a rank which has already *finished* (stopped its watchdog) never entered
+  can never go on: it is reported then, naming the finished rank (on GPUs, without the
+  collective counters: a finished rank behind a running one's step, after ``timeout``).
+  Rank 0 watches for this, and the others do when rank 0 is the one that finished.
 
 It costs one small message per rank per ``interval`` (1 s) on a thread that sleeps in
 between: nothing measurable per step. Creating one is collective (it clones the
@@ -40,6 +45,10 @@ __all__ = ["Watchdog"]
 
 _TAG = 7301
 _RUNNING, _DONE = 0, 1
+
+#: Seconds a rank may sit in an in-step collective that a finished rank never entered
+#: before it is reported (it can never complete; the grace covers the counters' sampling).
+FINISHED_GRACE = 5.0
 
 
 class Watchdog:
@@ -142,20 +151,31 @@ class Watchdog:
       yield status.Get_source(), message
 
   def _report(self) -> None:
-    """Ranks other than 0: send the step, watch rank 0's heartbeat."""
-    heard, root_done = time.monotonic(), False
+    """Ranks other than 0: send the step, watch rank 0's heartbeat (and, once rank 0 has
+    finished, whether this rank waits for it in a collective it never entered)."""
+    heard, root_done, root_final = time.monotonic(), False, None
+    view = _JobView(1, time.monotonic())  # this rank alone: when its counters last moved
     while not self._stop.wait(self.interval):
       if not root_done:
         self._send(0, _RUNNING)
       for _, message in self._receive():
         heard, root_done = time.monotonic(), root_done or message[1] == _DONE
-      silent = time.monotonic() - heard
+        root_final = message if message[1] == _DONE else root_final
+      now = time.monotonic()
+      view.update(0, np.array([self._step, _RUNNING, *_collective_counts()]), now)
+      silent = now - heard
       if not root_done and silent > self.heartbeat_timeout:
         self._on_stall(
             f"mnjax watchdog: rank {self.comm.rank} has not heard from rank 0 for"
             f" {silent:.0f} s (this rank is at step {self._step}); rank 0 died or is stuck."
             " Aborting all ranks.")
         return
+      if root_final is not None:
+        report = view.waiting_for_finished(
+            now, {0: root_final}, self.timeout, names={0: self.comm.rank})
+        if report:
+          self._on_stall(report)
+          return
 
   def _monitor(self) -> None:
     """Rank 0: collect every rank's progress, look for stalls, send heartbeats."""
@@ -191,10 +211,12 @@ class _JobView:
     self.heard = np.full(size, now)
     self.moved = np.full(size, now)  # last change of the collective counters
     self.done = np.zeros(size, bool)
+    self.last = np.zeros((size, 4), np.int64)  # each rank's last message
     self.first_reached: list[tuple[int, float]] = []  # (new highest step, when)
 
   def update(self, rank: int, message: np.ndarray, now: float) -> None:
     step, flag, entered, completed = (int(x) for x in message)
+    self.last[rank] = message
     if (entered, completed) != (self.entered[rank], self.completed[rank]):
       self.moved[rank] = now
     self.steps[rank] = max(self.steps[rank], step)
@@ -205,9 +227,50 @@ class _JobView:
     if not self.first_reached or top > self.first_reached[-1][0]:
       self.first_reached.append((top, now))
 
+  def waiting_for_finished(self, now: float, finished: dict[int, np.ndarray], timeout: float,
+                           names: dict[int, int] | None = None) -> str:
+    """A report if a running rank of this view waits for a rank in `finished` (rank ->
+    its last message ``[step, flag, entered, completed]``) that can never join it; ''.
+
+    `names` maps this view's indices to the ranks they are (default: the same).
+    """
+    names = names or {}
+    out = []
+    for r in range(len(self.steps)):
+      if self.done[r]:
+        continue
+      stuck_for = now - self.moved[r]
+      in_collective = self.entered[r] > self.completed[r]
+      for d, (step, _, entered, _) in sorted(finished.items()):
+        never_entered = in_collective and entered < self.entered[r]
+        if never_entered and stuck_for > min(FINISHED_GRACE, timeout):
+          out.append(
+              f"rank {d} finished (after step {step} and {entered} in-step collectives)"
+              f" while rank {names.get(r, r)} has waited {stuck_for:.0f} s in in-step"
+              f" collective #{self.entered[r]} (at step {self.steps[r]}), which rank {d}"
+              " never entered")
+        elif (not in_collective and self.entered[r] == 0 and step < self.steps[r]
+              and now - self._step_since(r) > timeout):  # no counters (GPU handlers)
+          out.append(
+              f"rank {d} finished after step {step} while rank {names.get(r, r)} is at step"
+              f" {self.steps[r]} and has not moved for {now - self._step_since(r):.0f} s")
+    if not out:
+      return ""
+    return ("mnjax watchdog: " + "; ".join(out) + ". A finished rank can never join a"
+            " collective: the ranks ran different numbers of steps or collectives (a loop,"
+            " a condition or a model that differs between ranks). Aborting all ranks.")
+
+  def _step_since(self, rank: int) -> float:
+    """When the furthest rank first reached `rank`'s current step (for the GPU case)."""
+    return next((t for s, t in self.first_reached if s >= self.steps[rank]), self.heard[rank])
+
   def stall_report(self, now: float, timeout: float, heartbeat_timeout: float) -> str:
     """What is wrong, naming ranks and steps; '' while every running rank keeps up."""
     running = [r for r in range(len(self.steps)) if not self.done[r]]
+    finished = {r: self.last[r] for r in range(len(self.steps)) if self.done[r]}
+    blocked = self.waiting_for_finished(now, finished, timeout) if finished else ""
+    if blocked:
+      return blocked
     problems = []
     silent = [r for r in running if now - self.heard[r] > heartbeat_timeout]
     if silent:

@@ -46,10 +46,10 @@ import numpy as np
 from flax.linen import dtypes as flax_dtypes
 from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
 
+from mnjax.comm import _sequence as sequence
 from mnjax.comm._collectives import sum_buffer
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._host import allreduce_persistent  # a host collective; exported here too
-from mnjax.guard import _preflight as preflight
 
 __all__ = ["SyncBatchNorm", "allreduce_persistent"]
 
@@ -152,7 +152,7 @@ class SyncBatchNorm(nn.Module):
     # During init no collective: the axis and the other ranks need not exist (as flax).
     layer = "/".join(self.scope.path) or type(self).__qualname__
     reduce = (_local_sum if self.is_initializing()
-              else functools.partial(_chained_sum, self.comm, f"SyncBatchNorm layer {layer}"))
+              else functools.partial(_chained_sum, self.comm, layer))
     if self.use_fast_variance:
       s1, s2, n = reduce(jnp.stack([(x * weight).sum(reduction_axes),
                                     (x * x * weight).sum(reduction_axes), count]))
@@ -199,10 +199,18 @@ def _local_sum(stacked):
 
 def _chained_sum(comm: Communicator, layer: str, stacked: jax.Array) -> tuple:
   """Global sum of `stacked`, ordered after the previous SyncBatchNorm collective, and
-  noted for the step's pre-flight check (`mnjax.guard._preflight.recording`)."""
+  noted for the step's pre-flight check (`mnjax.comm._sequence.recording`)."""
   if comm.num_replicas == 1:
     return tuple(stacked)
-  preflight.note_collective(layer, stacked.shape, stacked.dtype)
+  if comm.size > 1 and not sequence.recording_open():
+    raise RuntimeError(
+        f"SyncBatchNorm layer {layer} is traced across {comm.size} processes outside"
+        " mnjax.data_parallel (e.g. under plain jax.jit), where no rank can check that every"
+        " rank runs the same SyncBatchNorm layers: a rank with another model would wait"
+        " forever in a collective the others never issue. Wrap the function that applies the"
+        " model in mnjax.data_parallel(fn, comm, batch_argnums=...) (for 'flat' it is jax.jit"
+        " plus that check, once per trace), as make_train_step does.")
+  sequence.note_collective(f"SyncBatchNorm layer {layer}", stacked.shape, stacked.dtype)
   flat = stacked.reshape(-1)
   total = _global_sum(comm, flat, _CHAIN.take(flat.dtype))
   _CHAIN.put(total)

@@ -181,8 +181,8 @@ def step_for_kind(fn, comm: Communicator):
     >>> step = step_for_kind(my_per_device_step, comm)   # doctest: +SKIP
     >>> state, sums = step(state, images, labels)        # doctest: +SKIP
   """
-  if not comm.multi_device:
-    return jax.jit(fn)
+  if not comm.multi_device:  # jax.jit, plus the check of the step's collective sequence
+    return data_parallel(fn, comm, batch_argnums=(1, 2))
   if comm.kind != "xla":
     # The local axis spans this process's devices: psum gives the process's sums. (Summing
     # per-device outputs afterwards would add a separate multi-device program between

@@ -228,8 +228,10 @@ def test_mask_and_two_pass_variance_match_flax(comm):
     variables = ref.init(jax.random.key(0), x)
     want, want_stats = ref.apply(variables, x, mask=mask, mutable=["batch_stats"])
     synced = mnjax.SyncBatchNorm(comm, use_running_average=False, use_fast_variance=fast)
-    got, got_stats = jax.jit(functools.partial(synced.apply, mutable=["batch_stats"]))(
-        variables, x[rows], mask=mask[rows])
+    apply = mnjax.data_parallel(
+        lambda v, x, m: synced.apply(v, x, mask=m, mutable=["batch_stats"]),  # noqa: B023
+        comm, batch_argnums=(1, 2))
+    got, got_stats = apply(variables, x[rows], mask[rows])
     close(got, want[rows])
     close(got_stats, want_stats)
 
@@ -315,3 +317,55 @@ def test_the_collective_check_runs_once_per_trace_not_per_step(comm, monkeypatch
   step(variables, jnp.ones((4, 5)))  # a retrace for another batch size: already agreed
   assert len(rounds) == (1 if comm.size > 1 else 0)
   assert stats["batch_stats"]["BatchNorm_0"]["mean"].shape == (7,)
+
+
+class DenseThenNorm(nn.Module):
+  """A Dense layer, then (`norm`) a SyncBatchNorm without parameters of its own."""
+
+  comm: mnjax.Communicator
+  norm: bool
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(4)(x)
+    if self.norm:
+      x = mnjax.SyncBatchNorm(self.comm, use_running_average=False, use_scale=False,
+                              use_bias=False)(x)
+    return x
+
+
+def test_a_rank_without_sync_batch_norm_is_named_by_the_step_fingerprint(comm):
+  if comm.size == 1:
+    pytest.skip("a mismatch between ranks needs >= 2 ranks (runs under mpirun)")
+  # The gradient buckets are part of the step's collective sequence, so a rank whose model
+  # has no SyncBatchNorm (here: the same parameters, the layer has none) is compared too,
+  # instead of leaving the others waiting for its part of the BatchNorm check.
+  last = comm.rank == comm.size - 1
+  model = DenseThenNorm(comm, norm=not last)
+  x = jnp.ones((2, 5))
+  variables = model.init(jax.random.key(0), x)
+  tx = mnjax.allreduce_gradients(comm)
+
+  def step(variables, x):
+    def loss(params):
+      return model.apply(dict(variables, params=params), x, mutable=["batch_stats"])[0].sum()
+    grads = jax.grad(loss)(variables["params"])
+    return tx.update(grads, tx.init(grads))[0]
+
+  with pytest.raises(ValueError, match=rf"rank {comm.size - 1} traced 1 collective\(s\),"
+                                       r" rank 0 2; the first difference is collective 1"):
+    mnjax.data_parallel(step, comm)(variables, x)
+  assert comm.mpi_comm.allreduce(1) == comm.size  # the ranks are still in step
+
+
+def test_plain_jit_across_processes_is_refused_with_the_fix(comm):
+  model = Stack(comm, 1, 4)
+  x = jnp.ones((2, 5))
+  variables = model.init(jax.random.key(0), x)
+  forward = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"])[1])
+  if comm.size == 1:  # nothing to check across processes: plain jit is fine
+    assert forward(variables, x)["batch_stats"]["BatchNorm_0"]["mean"].shape == (4,)
+    return
+  with pytest.raises(RuntimeError, match=r"SyncBatchNorm layer BatchNorm_0 is traced across"
+                                         r" \d+ processes outside mnjax.data_parallel.*Wrap"):
+    forward(variables, x)

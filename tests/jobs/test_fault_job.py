@@ -10,6 +10,7 @@ import re
 import time
 
 import pytest
+from support.fault_job import STEPS
 from support.launch import run_mpi
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
@@ -70,3 +71,15 @@ def test_ranks_that_finish_apart_are_not_a_stall(mode):
   result, _ = run_fault(mode)
   assert result.returncode == 0, result.stdout
   assert result.stdout.count("finished") == 2
+
+
+@pytest.mark.parametrize("mode, short, waiting", [("worker_short", 1, 0), ("root_short", 0, 1)])
+def test_a_rank_that_finishes_early_is_named_not_waited_for(mode, short, waiting):
+  # Before: the finished rank exited 0 and the other waited in the last step forever.
+  result, seconds = run_fault(mode)
+  assert result.returncode != 0, result.stdout
+  assert seconds < 30, result.stdout
+  assert re.search(rf"mnjax watchdog: rank {short} finished \(after step {STEPS - 2} and"
+                   rf" {STEPS - 1} in-step collectives\) while rank {waiting} has waited \d+ s"
+                   rf" in in-step collective #{STEPS} \(at step {STEPS - 1}\), which rank"
+                   rf" {short} never entered", result.stdout), result.stdout

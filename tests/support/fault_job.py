@@ -4,7 +4,9 @@ Modes: ``ok``; ``raise`` (rank 1 raises at step 3); ``kill`` / ``kill_root`` (ra
 SIGKILLs itself at step 3); ``stop_root`` (rank 0 SIGSTOPs itself at step 3: alive, silent);
 ``stall`` (rank 1 sleeps at step 3); ``root_lingers`` / ``worker_lingers`` (rank 0 / rank 1
 keeps its watchdog running alone, after the other rank stopped its own, for longer than the
-watchdog's timeouts: a normal end, not a stall). The watchdog runs with short timeouts so
+watchdog's timeouts: a normal end, not a stall); ``worker_short`` / ``root_short`` (rank 1 /
+rank 0 runs one step fewer and finishes while the other waits in that step's collective).
+The watchdog runs with short timeouts so
 that tests/jobs/test_fault_job.py finishes quickly.
 """
 
@@ -35,7 +37,8 @@ def main(mode: str) -> None:
     return optax.apply_updates(params, updates), opt_state
 
   with mnjax.Watchdog(comm, timeout=3.0, heartbeat_timeout=3.0, interval=0.5) as watchdog:
-    for i in range(STEPS):
+    short = {"worker_short": 1, "root_short": 0}.get(mode) == comm.rank
+    for i in range(STEPS - 1 if short else STEPS):
       watchdog.step(i)
       if i == FAULT_STEP:
         if mode == "raise" and comm.rank == 1:

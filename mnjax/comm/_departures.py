@@ -1,0 +1,75 @@
+"""Ranks that finished: a rank that exits normally tells the others, so none waits for it.
+
+MPI has no notion of a peer that left. A rank whose program ends normally (its loop was one
+step shorter, its model had no collective where the others have one) exits with status 0,
+and its peers wait for it in the next collective forever, printing nothing. So at a normal
+exit every rank of a multi-process job sends each peer one small message (`announce`,
+registered by `mnjax.create_communicator`), on ``MPI_COMM_WORLD`` with a tag of its own
+(point-to-point: it never matches a collective). Whoever waits for the others in mnjax's
+host collectives and checks (`mnjax.comm._host.gather_if_different`, which they all use)
+looks for these messages while it waits (`departed`), and raises on every waiting rank
+naming the rank that left, instead of hanging. The stall watchdog does the same for the
+in-step collectives (`mnjax.Watchdog`). An uncaught exception sends nothing: it aborts the
+job (`mnjax.comm._failfast`).
+
+Cost: one message per peer per rank, at exit; nothing while the job runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["announce", "departed"]
+
+_TAG = 7302
+_lock = threading.Lock()
+_gone: set[int] = set()  # ranks of MPI_COMM_WORLD known to have finished
+_registered = False
+
+
+def announce() -> None:
+  """Registers the exit notice of this rank (idempotent; nothing on a single process).
+
+  Example:
+    >>> mnjax.comm._departures.announce()   # create_communicator does it already
+  """
+  global _registered
+  if MPI.COMM_WORLD.Get_size() == 1 or _registered:
+    return
+  _registered = True
+  atexit.register(_notify)  # after mpi4py's own handler: runs first, before MPI_Finalize
+
+
+def _notify() -> None:
+  if MPI.Is_finalized():
+    return
+  world = MPI.COMM_WORLD
+  me = np.array([world.Get_rank()], np.int64)
+  requests = [world.Isend(me, dest=peer, tag=_TAG)
+              for peer in range(world.Get_size()) if peer != world.Get_rank()]
+  MPI.Request.Waitall(requests)  # 8 bytes each: complete locally (eager), received or not
+
+
+def departed(mpi_comm: MPI.Comm) -> list[int]:
+  """The ranks of `mpi_comm` known to have finished their program (local; non-blocking).
+
+  Example:
+    >>> mnjax.comm._departures.departed(comm.mpi_comm)
+    []
+  """
+  world = MPI.COMM_WORLD
+  with _lock:
+    status = MPI.Status()
+    while world.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG, status=status):
+      message = np.empty(1, np.int64)
+      world.Recv(message, source=status.Get_source(), tag=_TAG)
+      _gone.add(int(message[0]))
+    if not _gone:
+      return []
+    gone = sorted(_gone)
+  ranks = MPI.Group.Translate_ranks(world.Get_group(), gone, mpi_comm.Get_group())
+  return sorted(r for r in ranks if r != MPI.UNDEFINED)

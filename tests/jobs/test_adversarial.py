@@ -1,0 +1,38 @@
+"""Every bad-input case of tests/support/adversarial.py ends its job in under 30 s, with a
+non-zero exit and the same clear message on every rank still running (issue 18)."""
+
+import time
+
+import pytest
+from support.adversarial import CASES, LEAVING, classify, errors_by_rank
+from support.launch import run_mpi
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
+
+AT_THREE = ("sync_bn_one_more_layer", "sync_bn_no_layer_on_one_rank", "broadcast_other_root",
+            "one_rank_leaves_during_broadcast")
+
+
+@pytest.mark.parametrize("ranks, name", [(2, name) for name in CASES]
+                         + [(3, name) for name in AT_THREE])
+def test_bad_input_ends_the_job_quickly_with_one_message_on_every_rank(ranks, name):
+  start = time.monotonic()
+  result = run_mpi(ranks, ["tests/support/adversarial.py", name], timeout=60)
+  seconds = time.monotonic() - start
+  assert result.returncode != 0, result.stdout
+  assert seconds < 30, result.stdout
+  assert classify(result.returncode, result.stdout, ranks, LEAVING.get(name, 0)) == "clear", (
+      result.stdout[-6000:])
+  assert len(errors_by_rank(result.stdout)) == ranks - LEAVING.get(name, 0)
+
+
+def test_the_classifier_tells_the_outcomes_apart():
+  one = "[rank 0] ValueError: broadcast: the ranks disagree\n"
+  both = one + "[rank 1] ValueError: broadcast: the ranks disagree\n"
+  assert classify(None, "", 2) == "hang"
+  assert classify(0, "", 2) == "silent"
+  assert classify(1, both, 2) == "clear"
+  assert classify(1, one, 2) == "one rank"
+  assert classify(1, one + "[rank 1] ValueError: broadcast: other words\n", 2) == "one rank"
+  assert classify(1, "Fatal error in PMPI_Allreduce: Message truncated\n", 2) == "unclear"
+  assert classify(1, one, 2, leaving=1) == "clear"
