@@ -10,6 +10,8 @@ docstring gives its command and the time it takes); any flag overrides a field:
   recipe and synchronized BN, 90 epochs (ChainerMN's experiment).
 * ``resnet50_synthetic`` (``synthetic``): ResNet-50 on random ImageNet-shaped images, for
   throughput (no data).
+* ``imagenet_15min``: Akiba et al. 2017's 32k-batch ResNet-50 (RMSprop warm-up, slow start,
+  BN without moving averages, float16 wire); ``akiba_digits`` is its offline scale-down.
 
 Rank 0 prints per epoch: loss and top-1 accuracy (train and test), images/s per rank and in
 total, epoch time, the share of time the loop waited for input, and with
@@ -57,7 +59,7 @@ class Config(mnjax.train.RunConfig):
   # Fields that fix the data order and the optimizer: a resumed run must keep them.
   resume_settings: ClassVar[tuple[str, ...]] = (
       "dataset", "model", "global_batch_size", "optimizer", "base_lr", "warmup_epochs", "seed",
-      "steps_per_epoch", "image_size")
+      "steps_per_epoch", "image_size", "blend_center", "blend_period")
 
   dataset: str = flag(help="a source of mnjax.data.open_source (digits, synthetic: offline)")
   model: str = flag(choices=sorted(MODELS))
@@ -69,7 +71,9 @@ class Config(mnjax.train.RunConfig):
                             " minibatch's statistics")
   optimizer: str = flag("goyal", choices=OPTIMIZERS)
   base_lr: float = flag(0.1, minimum=0.0, help="per 256 examples (linear scaling)")
-  warmup_epochs: float = flag(5.0, minimum=0.0)
+  warmup_epochs: float = flag(5.0, minimum=0.0, help="goyal, lars: linear warmup epochs")
+  blend_center: float = flag(10.0, help="rmsprop_warmup: epoch where SGD has half the step")
+  blend_period: float = flag(5.0, help="rmsprop_warmup: the blend's period in epochs (> 0)")
   label_smoothing: float = flag(0.0, minimum=0.0)
   steps_per_epoch: int = flag(0, minimum=0, help="0: the whole split; else at most this many")
   eval: bool = flag(True, help="evaluate on the test split after every epoch")
@@ -88,10 +92,13 @@ def optimizer(config: Config, steps_per_epoch: int) -> optax.GradientTransformat
       warmup_epochs=config.warmup_epochs)
   if config.optimizer == "lars":
     return recipes.lars(schedule)
-  if config.optimizer == "rmsprop_warmup":
-    blend = recipes.blend_schedule(steps_per_epoch, 0.0, max(config.warmup_epochs, 1e-3))
+  if config.optimizer == "rmsprop_warmup":  # Akiba et al. 2017: slow start, ELU-shaped blend
+    slow_start = recipes.slow_start_schedule(config.global_batch_size, steps_per_epoch,
+                                             base_lr=config.base_lr)
+    blend = recipes.akiba_blend(steps_per_epoch, center=config.blend_center,
+                                period=config.blend_period)
     return optax.chain(optax.add_decayed_weights(1e-4, recipes.decay_mask),
-                       recipes.rmsprop_warmup(schedule, blend))
+                       recipes.rmsprop_warmup(slow_start, blend))
   return recipes.goyal_sgd(config.global_batch_size, steps_per_epoch, base_lr=config.base_lr,
                            warmup_epochs=config.warmup_epochs)
 

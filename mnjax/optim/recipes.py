@@ -8,10 +8,10 @@
   and biases, as in Goyal et al. and the "bag of tricks" of He et al. 2019).
 * `lars`: optax's LARS (You et al. 2017) with the same mask for decay and trust ratio.
 * `smoothed_cross_entropy`: label smoothing (Szegedy et al. 2016).
-* `rmsprop_warmup` with `blend_schedule`: momentum SGD whose per-coordinate step starts as
-  RMSprop's and blends into plain SGD's (the RMSprop warm-up of Akiba et al. 2017, 32k
-  global batch). The update's structure is theirs; the paper's exact blend constants were
-  not available to check here, so the blend window is an argument, with our defaults.
+* `rmsprop_warmup`, `akiba_blend`, `slow_start_schedule`: the 15-minute ImageNet recipe of
+  Akiba et al. 2017 (32k global batch): momentum SGD whose step starts as RMSprop's, with its
+  own learning rate, and blends into SGD's on an ELU-shaped curve of the epoch, on a
+  slow-start learning rate (in `mnjax.optim._akiba`, with the sources it follows).
 
 Everything here is a plain function returning optax schedules, transformations or losses;
 compose them with ``mnjax.allreduce_gradients`` as usual:
@@ -22,21 +22,29 @@ compose them with ``mnjax.allreduce_gradients`` as usual:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from mnjax.optim._akiba import (
+    RmspropWarmupState,
+    akiba_blend,
+    rmsprop_warmup,
+    slow_start_schedule,
+)
+
 __all__ = [
   "RmspropWarmupState",
-  "blend_schedule",
+  "akiba_blend",
   "decay_mask",
   "goyal_schedule",
   "goyal_sgd",
   "lars",
   "linear_scaling",
   "rmsprop_warmup",
+  "slow_start_schedule",
   "smoothed_cross_entropy",
 ]
 
@@ -139,66 +147,3 @@ def smoothed_cross_entropy(logits: jax.Array, labels: jax.Array,
     raise ValueError(f"smoothed_cross_entropy: smoothing must be in [0, 1), got {smoothing}.")
   targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), smoothing)
   return optax.softmax_cross_entropy(logits, targets)
-
-
-def blend_schedule(steps_per_epoch: int, begin_epoch: float = 0.0,
-                   end_epoch: float = 10.0) -> optax.Schedule:
-  """SGD's share of the step in `rmsprop_warmup`: 0 until `begin_epoch`, rising linearly to
-  1 at `end_epoch`, then 1.
-
-  Example:
-    >>> alpha = blend_schedule(100, 0, 10); float(alpha(0)), float(alpha(500)), float(alpha(2000))
-    (0.0, 0.5, 1.0)
-  """
-  if not end_epoch > begin_epoch >= 0 or steps_per_epoch <= 0:
-    raise ValueError(
-        "blend_schedule: need steps_per_epoch > 0 and 0 <= begin_epoch < end_epoch, got"
-        f" {steps_per_epoch}, {begin_epoch}, {end_epoch}.")
-  begin, length = begin_epoch * steps_per_epoch, (end_epoch - begin_epoch) * steps_per_epoch
-  return lambda step: jnp.clip((step - begin) / length, 0.0, 1.0)
-
-
-class RmspropWarmupState(NamedTuple):
-  """`rmsprop_warmup`'s state: step count, mean squared gradient, momentum buffer."""
-
-  count: jax.Array
-  nu: Any
-  velocity: Any
-
-
-def rmsprop_warmup(learning_rate: optax.ScalarOrSchedule, sgd_fraction: optax.ScalarOrSchedule,
-                   *, momentum: float = 0.9, decay: float = 0.99,
-                   eps: float = 1e-8) -> optax.GradientTransformation:
-  """Momentum SGD with a preconditioner that blends from RMSprop into plain SGD.
-
-  With ``a = sgd_fraction(t)`` and ``lr = learning_rate(t)``::
-
-    nu_t = decay * nu_{t-1} + (1 - decay) * g_t**2
-    v_t  = momentum * v_{t-1} - lr * (a + (1 - a) / (sqrt(nu_t) + eps)) * g_t
-    update_t = v_t
-
-  ``a = 1`` is momentum SGD (with the learning rate inside the velocity, as Chainer's
-  MomentumSGD); ``a = 0`` is RMSprop with momentum. Early large-minibatch steps, where plain
-  SGD diverges, take RMSprop's normalised steps; `blend_schedule` hands over to SGD.
-
-  Example:
-    >>> tx = optax.chain(mnjax.allreduce_gradients(comm),
-    ...                  rmsprop_warmup(goyal_schedule(32768, 39), blend_schedule(39, 0, 10)))
-  """
-  lr_fn = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
-  alpha_fn = sgd_fraction if callable(sgd_fraction) else (lambda _: sgd_fraction)
-
-  def init_fn(params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return RmspropWarmupState(jnp.zeros((), jnp.int32), zeros, zeros)
-
-  def update_fn(updates, state, params=None):
-    del params
-    lr, alpha = lr_fn(state.count), alpha_fn(state.count)
-    nu = jax.tree.map(lambda n, g: decay * n + (1 - decay) * g * g, state.nu, updates)
-    velocity = jax.tree.map(
-        lambda v, g, n: momentum * v - lr * (alpha + (1 - alpha) / (jnp.sqrt(n) + eps)) * g,
-        state.velocity, updates, nu)
-    return velocity, RmspropWarmupState(state.count + 1, nu, velocity)
-
-  return optax.GradientTransformation(init_fn, update_fn)

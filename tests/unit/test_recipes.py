@@ -1,14 +1,23 @@
 """Large-minibatch recipes: the schedule's values at its corners, what gets weight decay,
-label smoothing's loss, and LARS leaving norm/bias parameters to plain momentum."""
+label smoothing's loss, LARS leaving norm/bias parameters to plain momentum, and Akiba et
+al.'s recipe: the blend and slow start at their corners, the update step by step against the
+formulas, each bad argument's error, and the imagenet_15min config building its optimizer."""
+
+import math
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from support.launch import REPO
 
 from mnjax.models import ResNet18
 from mnjax.optim import recipes
+
+sys.path.insert(0, str(REPO / "experiments"))
+import imagenet  # the ResNet experiment
 
 
 def close(value):
@@ -79,31 +88,155 @@ def test_lars_scales_kernels_by_trust_ratio_but_not_biases():
   np.testing.assert_allclose(updates["bias"], -1.0 * np.ones(4))         # untouched
 
 
-def test_blend_schedule_values():
-  alpha = recipes.blend_schedule(steps_per_epoch=10, begin_epoch=2, end_epoch=6)
-  assert [float(alpha(s)) for s in (0, 20, 30, 40, 60, 1000)] == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
-  with pytest.raises(ValueError, match="begin_epoch < end_epoch"):
-    recipes.blend_schedule(10, 5, 5)
+# Akiba et al. 2017 ------------------------------------------------------------------------
+
+def test_akiba_blend_at_its_corners():
+  spe, c, p = 8, 10.0, 5.0
+  alpha = recipes.akiba_blend(spe)  # the paper's centre 10, period 5
+  at = lambda epoch, offset=0: float(alpha(round(epoch * spe) + offset))
+  assert at(0) == close(0.5 * math.exp(-4.0))                  # e = 0: 0.9% SGD
+  assert at(c, -1) == close(0.5 * math.exp(2 * (-1 / spe) / p))  # just before c
+  assert at(c) == close(0.5)                                    # e = c: half and half
+  assert at(c + p / 4) == close(0.75)                           # on the straight piece
+  assert at(c + p / 2, -1) == close(1.0 - 1 / (spe * p))        # just before c + p/2
+  assert at(c + p / 2) == 1.0 and at(c + p) == 1.0 and at(90) == 1.0 and at(10**6) == 1.0
+  other = recipes.akiba_blend(4, center=2.0, period=1.0)
+  assert [float(other(s)) for s in (8, 9, 10)] == [close(0.5), close(0.75), 1.0]
+  assert float(other(0)) == close(0.5 * math.exp(-4.0))
 
 
-def test_rmsprop_warmup_is_rmsprop_first_and_momentum_sgd_after_the_blend():
+def test_akiba_blend_is_continuous_in_value_and_slope_at_the_centre():
+  spe, c, p = 8, 10.0, 5.0
+  alpha = recipes.akiba_blend(spe)
+  step_c = c * spe
+  h = 1e-2  # in steps
+  rise = 1 / (p * spe)  # per step
+  # No jump: each side is 0.5 plus its slope times the distance (the old "1.5 then 1" jumped).
+  assert float(alpha(step_c - h)) == pytest.approx(0.5 - h * rise, abs=1e-6)
+  assert float(alpha(step_c + h)) == pytest.approx(0.5 + h * rise, abs=1e-6)
+  slope = jax.grad(lambda s: alpha(s))
+  left, right = float(slope(step_c - h)), float(slope(step_c + h))
+  # Both pieces rise at 1/p per epoch there (the printed "2 (e - c) / p" would give 2/p).
+  assert left == pytest.approx(rise, rel=1e-3)
+  assert right == pytest.approx(rise, rel=1e-6)
+
+
+def test_slow_start_schedule_at_each_boundary():
+  spe = 39  # ImageNet's 1.28M images / 32768
+  eta = recipes.slow_start_schedule(32768, spe)
+  base = 0.1 * 32768 / 256  # 12.8
+  at = lambda epoch, offset=0: float(eta(epoch * spe + offset))
+  assert at(0) == close(0.5 * base) == close(6.4)
+  for epoch, before, after in ((40, 0.5, 0.075), (70, 0.075, 0.01), (85, 0.01, 0.001)):
+    assert at(epoch, -1) == close(before * base), epoch
+    assert at(epoch) == close(after * base), epoch
+  assert at(90, -1) == close(0.001 * base) and at(90) == close(0.001 * base)  # the run's end
+  small = recipes.slow_start_schedule(1024, 10, base_lr=0.2, base_batch_size=512)
+  assert float(small(0)) == close(0.5 * 0.4) and float(small(400)) == close(0.075 * 0.4)
+
+
+def numpy_rmsprop_warmup(grads, eta, eta_rms, alpha_sgd, mu1, mu2, eps):
+  """The issue's formulas, transcribed in float64 over a list of {name: array} gradients."""
+  m = {k: np.zeros_like(v, np.float64) for k, v in grads[0].items()}
+  delta = {k: np.zeros_like(v, np.float64) for k, v in grads[0].items()}
+  out = []
+  for t, g in enumerate(grads):
+    alpha_rms = (1 - alpha_sgd(t)) * eta_rms(t) / eta(t)
+    step = {}
+    for k in g:
+      gk = np.asarray(g[k], np.float64)
+      m[k] = mu2 * m[k] + (1 - mu2) * gk**2
+      delta[k] = mu1 * delta[k] - (alpha_sgd(t) + alpha_rms / (np.sqrt(m[k]) + eps)) * gk
+      step[k] = eta(t) * delta[k]
+    out.append(step)
+  return out
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_rmsprop_warmup_follows_the_formulas_step_by_step(jit):
+  rng = np.random.default_rng(0)
+  grads = [{"a": rng.normal(size=3).astype(np.float32) * 10.0 ** (t % 3 - 1),
+            "b": rng.normal(size=(2, 2)).astype(np.float32)} for t in range(7)]
+  params = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+  eta = lambda t: 0.5 + 0.25 * t            # a schedule for SGD's rate
+  eta_rms = lambda t: 1e-2 * (1 + t)        # and one for RMSprop's
+  # 2 steps per epoch, centre 1, period 2: steps 0-1 exponential, 2-3 straight, 4- all SGD.
+  blend = recipes.akiba_blend(2, center=1.0, period=2.0)
+  alphas = [float(blend(t)) for t in range(7)]
+  assert alphas[2] == close(0.5) and alphas[3] == close(0.75) and alphas[4:] == [1.0] * 3
+  tx = recipes.rmsprop_warmup(eta, blend, rmsprop_learning_rate=eta_rms, momentum=0.8,
+                              decay=0.9, eps=1e-3)
+  expected = numpy_rmsprop_warmup(grads, eta, eta_rms, lambda t: alphas[t], 0.8, 0.9, 1e-3)
+  update = jax.jit(tx.update) if jit else tx.update
+  state = tx.init(params)
+  for t, g in enumerate(grads):
+    got, state = update(jax.tree.map(jnp.asarray, g), state)
+    for k in g:
+      np.testing.assert_allclose(got[k], expected[t][k], rtol=2e-5, atol=1e-7,
+                                 err_msg=f"step {t}, leaf {k}")
+  assert int(state.count) == len(grads)
+
+
+def test_rmsprop_warmup_at_sgd_fraction_one_is_momentum_sgd():
   grads = [{"w": jnp.array([0.5, -2.0])}, {"w": jnp.array([1.5, 0.25])},
            {"w": jnp.array([-1.0, 1.0])}]
   params = {"w": jnp.zeros(2)}
-  # After the blend (a = 1) it is momentum SGD exactly.
-  tx, sgd = recipes.rmsprop_warmup(0.1, 1.0, momentum=0.9), optax.sgd(0.1, momentum=0.9)
+  eta = lambda t: 0.1 / (1 + t)
+  tx, sgd = recipes.rmsprop_warmup(eta, 1.0), optax.sgd(eta, momentum=0.9)
   s1, s2 = tx.init(params), sgd.init(params)
   for g in grads:
     u1, s1 = tx.update(g, s1)
     u2, s2 = sgd.update(g, s2)
     np.testing.assert_allclose(u1["w"], u2["w"], rtol=1e-6)
-  # At the start (a = 0) each coordinate moves by lr * g / sqrt(nu): RMSprop's step.
-  tx = recipes.rmsprop_warmup(0.1, recipes.blend_schedule(1, 0, 2), momentum=0.0, decay=0.5)
+
+
+def test_rmsprop_warmup_takes_rmsprops_own_rate_not_sgds():
+  # The bug this replaces: lr x (1 - a) / sqrt(nu) moved each coordinate by ~SGD's rate (6.4).
+  tx = recipes.rmsprop_warmup(6.4, 0.0, decay=0.0)  # decay 0: m = g**2, steps of eta_rmsprop
+  update, _ = tx.update({"w": jnp.array([1e-3, -50.0])}, tx.init({"w": jnp.zeros(2)}))
+  np.testing.assert_allclose(update["w"], [-3e-4, 3e-4], rtol=1e-4)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: recipes.rmsprop_warmup(0.0, 1.0), "learning_rate must be > 0"),
+    (lambda: recipes.rmsprop_warmup(-0.1, 1.0), "learning_rate must be > 0"),
+    (lambda: recipes.rmsprop_warmup(0.1, 1.0, rmsprop_learning_rate=0.0),
+     "rmsprop_learning_rate must be > 0"),
+    (lambda: recipes.rmsprop_warmup(0.1, 1.5), r"sgd_fraction must be in \[0, 1\]"),
+    (lambda: recipes.rmsprop_warmup(0.1, 1.0, momentum=1.0),
+     r"momentum must be in \[0, 1\) \(Akiba et al.'s recipe: 0.9\), got 1.0"),
+    (lambda: recipes.rmsprop_warmup(0.1, 1.0, momentum=-0.5), r"momentum must be in \[0, 1\)"),
+    (lambda: recipes.rmsprop_warmup(0.1, 1.0, decay=1.0),
+     r"decay must be in \[0, 1\) \(Akiba et al.'s recipe: 0.99\)"),
+    (lambda: recipes.rmsprop_warmup(0.1, 1.0, eps=0.0), "eps must be > 0"),
+    (lambda: recipes.akiba_blend(0), "akiba_blend: steps_per_epoch must be a positive integer"),
+    (lambda: recipes.akiba_blend(39.5), "steps_per_epoch must be a positive integer"),
+    (lambda: recipes.akiba_blend(39, period=0.0), "period must be > 0 epochs"),
+    (lambda: recipes.akiba_blend(39, period=-5.0), "period must be > 0 epochs"),
+    (lambda: recipes.slow_start_schedule(32768, 0),
+     "slow_start_schedule: steps_per_epoch must be a positive integer"),
+    (lambda: recipes.slow_start_schedule(32768, 39, base_lr=0.0), "base_lr must be > 0"),
+    (lambda: recipes.slow_start_schedule(0, 39), "batch sizes must be >= 1"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_arguments_fail_at_construction_with_the_fix(build, message):
+  with pytest.raises(ValueError, match=message):
+    build()
+
+
+def test_imagenet_15min_config_builds_the_akiba_optimizer():
+  config = imagenet.parse_args(["--config", "imagenet_15min"])
+  assert (config.model, config.global_batch_size, config.epochs) == ("resnet50", 32768, 90)
+  assert (config.optimizer, config.blend_center, config.blend_period) == (
+      "rmsprop_warmup", 10.0, 5.0)
+  assert config.sync_bn and config.bn_momentum == 0.0 and config.wire_dtype == "float16"
+  assert config.label_smoothing == 0.1
+  steps = 1281167 // config.global_batch_size  # 39
+  tx = imagenet.optimizer(config, steps)
+  params = {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)}
   state = tx.init(params)
-  update, state = tx.update(grads[0], state)
-  nu = 0.5 * grads[0]["w"] ** 2
-  np.testing.assert_allclose(update["w"], -0.1 * grads[0]["w"] / (np.sqrt(nu) + 1e-8), rtol=1e-6)
-  update, state = tx.update(grads[1], state)  # step 1 of 2: half SGD, half RMSprop
-  nu = 0.5 * nu + 0.5 * grads[1]["w"] ** 2
-  expected = -0.1 * (0.5 + 0.5 / np.sqrt(nu)) * grads[1]["w"]
-  np.testing.assert_allclose(update["w"], expected, rtol=1e-6)
+  grads = {"kernel": jnp.full((2, 2), 1e-3), "bias": jnp.full(2, 1e-3)}
+  update, state = tx.update(grads, state, params)
+  # Step 0: eta = 6.4, alpha_sgd = 0.5 e^-4; the RMSprop part moves by 10 x (1 - a) x 3e-4.
+  a = 0.5 * math.exp(-4.0)
+  expected = -(6.4 * a * 1e-3 + (1 - a) * 3e-4 / (math.sqrt(0.01) * 1e-3 + 1e-8) * 1e-3)
+  np.testing.assert_allclose(update["bias"], [expected] * 2, rtol=1e-5)
