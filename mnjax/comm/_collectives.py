@@ -16,6 +16,7 @@ while a half-precision *wire* (``wire_dtype``) is built from 16-bit moves with f
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -312,20 +313,24 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   check_float_leaves(tree, "allreduce_tree", real=wire_dtype is not None)
   if comm.num_replicas == 1:
     return tree
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  leaves = [jnp.asarray(leaf) for leaf in leaves]  # Python floats too (a no-op on arrays)
+  flat, treedef = jax.tree_util.tree_flatten(tree)
+  order, buckets = tree_buckets(tree, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
+  leaves = [jnp.asarray(flat[i]) for i in order]  # Python floats too (a no-op on arrays)
   out: list[Any] = [None] * len(leaves)
   replicas = comm.num_replicas
-  # The first exchange waits for every leaf: collectives that ran while the leaves were
-  # computed (`mnjax.SyncBatchNorm`'s, in the backward pass) are then all issued before it,
-  # in one order on every rank. One element per leaf: negligible work.
-  previous = completion_token(leaves)
+  # The first exchange comes after the last mnjax collective traced before it in this step
+  # (`mnjax.comm._sequence.ORDER`: SyncBatchNorm's backward ones), so every rank issues them
+  # in one order; without any, it waits for its own leaves only, and the buckets of the last
+  # layers leave while the first layers' gradients are still computed. A chain link from
+  # another trace (SyncBatchNorm under remat) is not visible: then wait for every leaf.
+  previous = sequence.ORDER.last()
+  if previous is None and sequence.noted("SyncBatchNorm"):
+    previous = completion_token(leaves)
   # With a 16-bit wire, values are divided by the replica count *before* they travel (so
   # what travels sums to the mean: fp16's range), and where the whole reduction is the
   # 16-bit exchange (no float32 local psum first) leaves are packed straight into the wire
   # dtype: one pass over the gradients instead of two.
   half_pack = wire_dtype is not None and comm.kind in ("flat", "single_node", "xla")
-  buckets = plan_buckets(leaves, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
   for k, bucket in enumerate(buckets):
     members = [leaves[i] for i in bucket.positions]
     sequence.note_collective(  # the step's fingerprint (`mnjax.guard._preflight`)
@@ -352,7 +357,50 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
     previous = buf
     for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
       out[i] = leaf
-  return jax.tree_util.tree_unflatten(treedef, out)
+  if previous is not None:
+    sequence.ORDER.put(previous)  # a later collective of the step comes after these
+  in_tree_order = [None] * len(out)
+  for position, leaf in zip(order, out):
+    in_tree_order[position] = leaf
+  return jax.tree_util.tree_unflatten(treedef, in_tree_order)
+
+
+def tree_buckets(tree: Any, *, wire_dtype: Any = None, bucket_bytes: int | None = None
+                 ) -> tuple[list[int], list[Bucket]]:
+  """`allreduce_tree`'s plan for `tree`: the leaves in `layer_order` (positions in
+  ``jax.tree.leaves(tree)``) and the buckets (`plan_buckets`: the last layers' first),
+  whose positions index that order.
+
+  Example:
+    >>> order, buckets = tree_buckets({"a": jnp.ones(4), "b": jnp.ones(4)}, bucket_bytes=16)
+    >>> order, [b.positions for b in buckets]
+    ([0, 1], [(1,), (0,)])
+  """
+  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  order = layer_order(paths)
+  leaves = jax.tree_util.tree_leaves(tree)
+  return order, plan_buckets([leaves[i] for i in order], wire_dtype=wire_dtype,
+                             bucket_bytes=bucket_bytes)
+
+
+def layer_order(paths: list[str]) -> list[int]:
+  """Leaf positions in the layers' order, as flax auto-names them in call order: paths
+  sorted with their numbers compared as numbers (``Dense_9`` before ``Dense_10``, where
+  the tree's own order puts ``Dense_10`` first). `plan_buckets` takes it backwards: the
+  output layer's gradients, which backprop finishes first, leave first.
+
+  The same on every rank (a function of the tree, which the pre-flight check compares).
+
+  Example:
+    >>> layer_order(["['Dense_0']['kernel']", "['Dense_1']['kernel']",
+    ...              "['Dense_10']['kernel']", "['Dense_2']['kernel']"])
+    [0, 1, 3, 2]
+  """
+  def natural(i):
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", paths[i])]
+
+  return sorted(range(len(paths)), key=natural)
 
 
 def _in_place(members: list[Any], bucket: Bucket, wire_dtype, comm: Communicator) -> bool:

@@ -7,6 +7,13 @@ every mnjax collective of the step notes itself here: each `mnjax.SyncBatchNorm`
 statistics and each bucket of `allreduce_tree` (so of `mnjax.allreduce_gradients`). The
 whole sequence is one fingerprint of the step, which `mnjax.guard._preflight` compares
 across ranks once per trace. Noting costs nothing at run time: it happens while tracing.
+
+The same collectives must also *run* in that order, and XLA runs independent custom calls
+in any order. So they form one chain (`ORDER`): each takes the last one traced before it
+in the same computation as its ``after`` operand (a data dependency, nothing moves) and
+becomes the new last one: SyncBatchNorm's forward collectives in call order, its backward
+ones in reverse, then the gradient buckets. A gradient bucket therefore waits only for its
+own leaves and the collective before it, not for the whole backward pass.
 """
 
 from __future__ import annotations
@@ -16,7 +23,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["note_collective", "recording", "recording_open"]
+import jax
+import jax.numpy as jnp
+from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
+
+__all__ = ["ORDER", "note_collective", "noted", "recording", "recording_open"]
 
 
 class _Recordings(threading.local):
@@ -70,3 +81,54 @@ def recording() -> Iterator[list[tuple]]:
     yield log
   finally:
     _RECORDINGS.open.pop()
+
+
+def noted(prefix: str) -> bool:
+  """Whether an open `recording` holds a collective whose description starts with `prefix`.
+
+  Example:
+    >>> with recording():
+    ...   note_collective("SyncBatchNorm layer BatchNorm_0", (3, 16), "float32")
+    ...   noted("SyncBatchNorm")
+    True
+  """
+  return any(what.startswith(prefix) for log in _RECORDINGS.open for what, _, _ in log)
+
+
+class _OrderChain(threading.local):
+  """The last mnjax in-step collective of the computation being traced (per thread).
+
+  A value left over from another trace (a previous step, an inner ``remat`` or ``scan``)
+  is never used: `last` is then None and `take` a constant.
+
+  Example:
+    >>> def step(x):
+    ...   first = ORDER.take(x.dtype)    # nothing before it in this trace: a zero
+    ...   ORDER.put(x * 2)               # e.g. the result of this collective
+    ...   return ORDER.last() is not None
+    >>> step(jnp.ones(3))
+    True
+  """
+
+  def __init__(self):
+    self._trace = None
+    self._last = None
+
+  def last(self) -> jax.Array | None:
+    """The last collective's result in the current trace, or None."""
+    if self._last is not None and self._trace == _jax_core.get_opaque_trace_state():
+      return self._last
+    return None
+
+  def take(self, dtype) -> jax.Array:
+    """`last`, or a zero scalar of `dtype` when the chain starts here."""
+    last = self.last()
+    return jnp.zeros((), dtype) if last is None else last
+
+  def put(self, value: jax.Array) -> None:
+    """Makes `value` (a collective's result) the chain's last link in the current trace."""
+    self._trace = _jax_core.get_opaque_trace_state()
+    self._last = value
+
+
+ORDER = _OrderChain()

@@ -20,9 +20,11 @@ How the collectives stay correct:
   therefore takes the previous layer's result as its ``after`` operand (the layers are
   chained in call order while the step is traced), and its backward pass returns a
   cotangent for ``after`` that depends on its own backward collective: the backward
-  collectives run in exactly the reverse order. `mnjax.allreduce_gradients` waits for every
-  gradient leaf before its first exchange, so the gradient buckets come after all of them.
-  (A computation traced separately, e.g. under ``nn.remat``, starts a new chain.)
+  collectives run in exactly the reverse order. Both directions go through the step's one
+  order chain (`mnjax.comm._sequence.ORDER`), and `mnjax.allreduce_gradients`' first bucket
+  takes its last link, so the gradient buckets come after all of them. (A computation traced
+  separately, e.g. under ``nn.remat``, starts a new chain; the buckets then wait for every
+  gradient leaf instead.)
 
 Eval statistics, two options besides the usual moving average:
 
@@ -36,7 +38,6 @@ Eval statistics, two options besides the usual moving average:
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
 import flax.linen as nn
@@ -44,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.linen import dtypes as flax_dtypes
-from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
 
 from mnjax.comm import _sequence as sequence
 from mnjax.comm._collectives import sum_buffer
@@ -212,8 +212,8 @@ def _chained_sum(comm: Communicator, layer: str, stacked: jax.Array) -> tuple:
         " plus that check, once per trace), as make_train_step does.")
   sequence.note_collective(f"SyncBatchNorm layer {layer}", stacked.shape, stacked.dtype)
   flat = stacked.reshape(-1)
-  total = _global_sum(comm, flat, _CHAIN.take(flat.dtype))
-  _CHAIN.put(total)
+  total = _global_sum(comm, flat, sequence.ORDER.take(flat.dtype))
+  sequence.ORDER.put(total)
   return tuple(total.reshape(stacked.shape))
 
 
@@ -228,7 +228,8 @@ def _global_sum_fwd(comm, local, after):
 
 def _global_sum_bwd(comm, after, cotangent):
   # Each rank's local sums enter every rank's output: the transpose is the same global sum.
-  summed = sum_buffer(cotangent, comm)
+  summed = sum_buffer(cotangent, comm, sequence.ORDER.take(cotangent.dtype))
+  sequence.ORDER.put(summed)  # the gradient buckets come after it (`allreduce_tree`)
   # Zero, but computed from this backward collective's result: the previous layer's backward
   # collective (which receives this cotangent) must wait for this one. XLA does not fold
   # x * 0 for floats (NaN semantics), so the dependency survives compilation.
@@ -238,27 +239,3 @@ def _global_sum_bwd(comm, after, cotangent):
 _global_sum.defvjp(_global_sum_fwd, _global_sum_bwd)
 
 
-class _OrderChain(threading.local):
-  """The last SyncBatchNorm collective of the computation being traced (per thread).
-
-  Layers run in Python call order while a step is traced; each one's collective waits for
-  the previous one's. A value left over from another trace (a previous step, an inner
-  ``remat``) is never used: the chain restarts with a constant.
-  """
-
-  def __init__(self):
-    self._trace = None
-    self._last = None
-
-  def take(self, dtype) -> jax.Array:
-    trace = _jax_core.get_opaque_trace_state()
-    if self._last is not None and self._trace == trace:
-      return self._last
-    return jnp.zeros((), dtype)
-
-  def put(self, value: jax.Array) -> None:
-    self._trace = _jax_core.get_opaque_trace_state()
-    self._last = value
-
-
-_CHAIN = _OrderChain()

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 import mnjax
-from mnjax.bench.hlo_order import mpi_calls, unchained, unchained_compiled
+from mnjax.bench.hlo_order import dependencies, depends_on, mpi_calls, unchained, unchained_compiled
 from mnjax.comm import _collectives as collectives
 from mnjax.comm import _primitives as mpi_ops
+from mnjax.comm import _sequence as sequence
 
 LEAVES = {f"w{i}": jnp.ones((64 + i,), jnp.float32) for i in range(6)}
 
@@ -125,7 +126,69 @@ def test_a_train_step_is_one_chain(two_ranks, platform):
     grads, _ = jax.grad(loss, has_aux=True)(params)
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, reduce(grads))
 
-  text = lowered(step, variables["params"], variables["batch_stats"], jnp.ones((8, 8)),
-                 platform=platform)
+  with sequence.recording():  # as data_parallel traces it (SyncBatchNorm needs the check)
+    text = lowered(step, variables["params"], variables["batch_stats"], jnp.ones((8, 8)),
+                   platform=platform)
   assert len(mpi_calls(text)) >= 4  # BN forward and backward, and the gradient buckets
   assert unchained(text) == []
+
+
+def _returned(text: str) -> list[str]:
+  """The values the lowered main function returns, in order."""
+  main = text[text.index("func.func public @main"):]
+  line = next(ln for ln in main.splitlines() if ln.strip().startswith("return "))
+  return [name.split("#")[0] for name in re.findall(r"%([\w.\-#]+)", line.split(":")[0])]
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_the_first_bucket_leaves_before_the_first_layers_gradient(two_ranks, platform, norm,
+                                                                  monkeypatch):
+  """Buckets go in backprop order (the output layer's first), and the first one waits for
+  its own leaves and the collective before it (SyncBatchNorm's last backward one), not for
+  every gradient: the first layer's gradient is still being computed while it travels."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Dense(16)(x))
+      if norm:
+        x = mnjax.SyncBatchNorm(two_ranks, use_running_average=False)(x)
+      return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
+
+  net = Net()
+  variables = net.init(jax.random.key(0), jnp.ones((8, 8)))
+
+  def first_call_waits_for_the_first_layer():
+    def step(variables, x):  # a new function each time: not a cached trace
+      def loss(p):
+        y, _ = net.apply(dict(variables, params=p), x, mutable=["batch_stats"])
+        return jnp.mean(y ** 2)
+      grads = jax.grad(loss)(variables["params"])
+      reduced = collectives.allreduce_tree(grads, two_ranks, bucket_bytes=256)
+      return reduced, grads["Dense_0"]["kernel"]  # the last gradient backprop finishes
+
+    with sequence.recording():
+      text = lowered(step, variables, jnp.ones((8, 8)), platform=platform)
+    calls = mpi_calls(text)
+    assert len(calls) >= 2 * norm + 3, calls  # SyncBatchNorm's two, then the buckets
+    gradient = _returned(text)[-1]
+    first_bucket = calls[2 * norm][0]  # after SyncBatchNorm's forward and backward ones
+    return depends_on(dependencies(text), first_bucket, gradient)
+
+  assert not first_call_waits_for_the_first_layer()
+  # Mutation check of the test: the old barrier (wait for every leaf) is seen.
+  monkeypatch.setattr(sequence.ORDER, "last", lambda: None)
+  monkeypatch.setattr(sequence, "noted", lambda prefix: True)
+  assert first_call_waits_for_the_first_layer()
+
+
+def test_buckets_leave_in_backprop_order_with_layer_numbers_read_as_numbers():
+  tree = {name: {"kernel": jnp.ones(64)} for name in
+          ("BatchNorm_0", "Conv_0", "Conv_1", "Conv_2", "Conv_10", "Dense_0")}
+  order, buckets = collectives.tree_buckets(tree, bucket_bytes=256)
+  paths = list(jax.tree_util.tree_flatten_with_path(tree)[0])
+  first_out = [jax.tree_util.keystr(paths[order[b.positions[0]]][0]) for b in buckets]
+  assert first_out == [f"['{n}']['kernel']" for n in
+                       ("Dense_0", "Conv_10", "Conv_2", "Conv_1", "Conv_0", "BatchNorm_0")]
