@@ -35,6 +35,7 @@ from mnjax.optim import (
     allreduce_gradients,
     raise_if_diverging,
     recipes,
+    shard_optimizer,
     skip_nonfinite,
 )
 from mnjax.train import allreduce_metrics, data_parallel, global_mean, mean_metrics
@@ -73,6 +74,7 @@ __all__ = [
     "recipes",
     "scatter_dataset",
     "scatter_index",
+    "shard_optimizer",
     "skip_nonfinite",
     "train",
 ]

@@ -219,6 +219,8 @@ def _resnet(args, layout: dict, clock: _Clock) -> tuple[dict, dict]:
               overhead_size1=summary["overhead_size1"],
               ranks_over_plain=many["allreduce"] / one["plain"],
               communication_share=summary["communication_share"],
+              local_bn_efficiency=summary["local_bn_efficiency"],
+              double_buffering_efficiency=summary.get("double_buffering_efficiency"),
               weak_scaling_efficiency=summary["weak_scaling_efficiency"])
   return step, share
 
@@ -300,7 +302,10 @@ def _table(results: dict) -> None:
     print(f"resnet step ({step['model']}, {step['image_size']} px, {step['batch_per_rank']}/rank):"
           f" plain {one['plain'] * 1e3:.1f} ms, mnjax {one['mnjax'] * 1e3:.1f} ms"
           f" ({step['overhead_size1']:.3f}x), {results['ranks']} ranks"
-          f" {many['allreduce'] * 1e3:.1f} ms ({step['ranks_over_plain']:.3f}x)")
+          f" {many['allreduce'] * 1e3:.1f} ms ({step['ranks_over_plain']:.3f}x)"
+          + (f"; per-rank BN {many['allreduce_local_bn'] * 1e3:.1f} ms, double-buffered"
+             f" {many['double_buffering_local_bn'] * 1e3:.1f} ms"
+             if "double_buffering_local_bn" in many else ""))
   if "share" in share:
     seconds = share["seconds_per_step"]
     print(f"sync BN share: {share['share']:.3f} (sync {seconds['sync_bn'] * 1e3:.1f} ms,"

@@ -10,7 +10,15 @@ shows in the step depends on `overlap`:
   PyTorch DDP, Goyal et al.): buckets become ready evenly over the backward pass and go out
   one after another; what is left after the backward pass shows;
 * ``"double_buffering"``: step t's gradient travels during step t+1 and the optimizer
-  applies it one step late (ChainerMN v1.2+): ``max(compute, comm)``.
+  applies it one step late (ChainerMN v1.2+; ``allreduce_gradients(comm,
+  double_buffering=True)``): ``max(compute + interference x hidden, comm)``. In mnjax the
+  exchange then reads only the optimizer state (tests/unit/test_overlap.py), except with
+  `mnjax.SyncBatchNorm` on the MPI kinds, where it is ordered after the backward pass:
+  model that case as ``"none"``.
+
+`planned_buckets` gives the bucket sizes mnjax's own plan cuts a model's leaves into
+(`mnjax.comm._collectives.plan_buckets`); pass them as ``bucket_sizes`` to tie the model to
+the implementation instead of equal buckets.
 
 Overlapped communication is not free: it competes with the computation for memory
 bandwidth, PCIe, SMs and host CPU. ``interference`` is the fraction of the overlapped
@@ -94,14 +102,37 @@ def buckets(nbytes: float, bucket_bytes: float | None) -> list[float]:
   return [float(bucket_bytes)] * int(full) + ([rest] if rest else [])
 
 
+def planned_buckets(leaves, bucket_bytes: int | None, *, wire_dtype=None) -> list[float]:
+  """Wire bytes of each bucket, in the order mnjax sends them, for gradient `leaves` (arrays
+  or ``jax.ShapeDtypeStruct``s): `mnjax.comm._collectives.plan_buckets`, the plan
+  `allreduce_gradients` uses.
+
+  >>> import jax, jax.numpy as jnp
+  >>> leaves = [jax.ShapeDtypeStruct((1024,), jnp.float32)] * 3
+  >>> planned_buckets(leaves, 8192)
+  [8192.0, 4096.0]
+  """
+  import numpy as np  # noqa: PLC0415
+
+  from mnjax.comm._collectives import plan_buckets  # noqa: PLC0415 (the layer below, lazily)
+
+  wire = None if wire_dtype is None else np.dtype(wire_dtype)
+  plan = plan_buckets(list(leaves), wire_dtype=wire, bucket_bytes=bucket_bytes)
+  return [float(sum(leaves[i].size for i in b.positions) * (wire or b.dtype).itemsize)
+          for b in plan]
+
+
 def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
               bucket_bytes: float | None = None, overlap: str = "none",
               interference: float = 0.0, software: Software = Software(),
-              flat: str = "halving_doubling", nccl: str = "auto") -> StepTime:
+              flat: str = "halving_doubling", nccl: str = "auto",
+              bucket_sizes: list[float] | None = None) -> StepTime:
   """The modelled step of `w` on every GPU of `c` with communicator `kind`.
 
   `wire_bytes`: bytes per gradient element on the wire (4: float32, 2: bf16/fp16 wire).
   `flat`, `nccl`: the algorithms of kinds ``flat`` and ``xla`` (`allreduce.kind_time`).
+  `bucket_sizes`: the buckets' wire bytes in send order (`planned_buckets`), instead of
+  cutting ``w.params * wire_bytes`` into equal `bucket_bytes`.
   """
   if overlap not in OVERLAPS:
     raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
@@ -111,8 +142,8 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
     raise ValueError(f"interference must be in [0, 1], got {interference!r}")
   if c.gpus == 1:
     return StepTime(w.compute, 0.0, 0.0)
-  nbytes = w.params * wire_bytes
-  sizes = buckets(nbytes, bucket_bytes)
+  nbytes = w.params * wire_bytes if bucket_sizes is None else float(sum(bucket_sizes))
+  sizes = buckets(nbytes, bucket_bytes) if bucket_sizes is None else list(bucket_sizes)
   times = [kind_time(kind, b, c, flat=flat, nccl=nccl) + software.per_call
            + software.pack_time(b) for b in sizes]
   comm = sum(times)

@@ -1,11 +1,14 @@
 """Layer 2 — optax gradient transformations built on the in-step collectives.
 
-* `allreduce_gradients`: each gradient becomes its mean over every device of every rank.
+* `allreduce_gradients`: each gradient becomes its mean over every device of every rank;
+  with ``double_buffering=True`` the previous step's (`DoubleBufferingState`).
 * `accumulate_gradients`: k micro-batches per update, one exchange per update.
 * `skip_nonfinite`: an update with a NaN/Inf anywhere is skipped by every rank together;
   `raise_if_diverging` ends a run that keeps skipping.
 * `dynamic_loss_scale`: float16 loss scaling (flax's ``DynamicScale``) on top of it: every
   rank skips and lowers the scale together; `loss_scale_state` reads the scale in the step.
+* `shard_optimizer`: ZeRO-1, the optimizer state sharded over ranks (in place of the
+  chain above); `gather_optimizer_state` / `scatter_optimizer_state` for checkpoints.
 * `recipes`: the large-batch recipes (Goyal et al., LARS, Akiba et al.'s RMSprop warm-up).
 
 Example::
@@ -16,6 +19,7 @@ Example::
 from mnjax.optim import recipes
 from mnjax.optim._accumulation import AccumulationState, accumulate_gradients
 from mnjax.optim._allreduce import allreduce_gradients
+from mnjax.optim._double_buffering import DoubleBufferingState
 from mnjax.optim._loss_scale import DynamicLossScaleState, dynamic_loss_scale, loss_scale_state
 from mnjax.optim._nonfinite import (
     SkipNonFiniteState,
@@ -23,17 +27,24 @@ from mnjax.optim._nonfinite import (
     raise_if_diverging,
     skip_nonfinite,
 )
+from mnjax.optim._shard import shard_optimizer
+from mnjax.optim._shard_state import ShardedState, gather_optimizer_state, scatter_optimizer_state
 
 __all__ = [
     "AccumulationState",
+    "DoubleBufferingState",
     "DynamicLossScaleState",
+    "ShardedState",
     "SkipNonFiniteState",
     "accumulate_gradients",
     "all_finite",
     "allreduce_gradients",
     "dynamic_loss_scale",
+    "gather_optimizer_state",
     "loss_scale_state",
     "raise_if_diverging",
     "recipes",
+    "scatter_optimizer_state",
+    "shard_optimizer",
     "skip_nonfinite",
 ]

@@ -22,6 +22,10 @@ gradients ``k`` times per update. `mnjax.accumulate_gradients` runs the chain on
 
     tx = mnjax.accumulate_gradients(
         optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3)), every_k=k)
+
+Double buffering (``double_buffering=True``, ChainerMN's option): the update applies the
+previous step's reduced gradient while this step's waits in the state, so the exchange
+depends on nothing the step computes (`mnjax.optim._double_buffering`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from mnjax.comm import _collectives as collectives
 from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import check_communicator
 from mnjax.guard import _preflight as preflight
+from mnjax.optim import _double_buffering as double_buffering_lib
 
 __all__ = ["allreduce_gradients"]
 
@@ -41,6 +46,7 @@ __all__ = ["allreduce_gradients"]
 def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
                         bucket_bytes: int | str | None = "auto",
                         preflight_timeout: float = preflight.DEFAULT_TIMEOUT,
+                        double_buffering: bool = False,
                         ) -> optax.GradientTransformation:
   """Averages (or sums) gradients over all replicas: ChainerMN's multi-node optimizer as optax.
 
@@ -66,9 +72,18 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
     preflight_timeout: seconds a rank waits, when the step is first traced, for every
       other rank to reach the same pre-flight check (`mnjax.guard._preflight`); then it raises
       instead of hanging.
+    double_buffering: ChainerMN's ``double_buffering``: the update at step ``t`` is the
+      reduced gradient of step ``t - 1`` and this step's gradient waits, unreduced, in the
+      state (`mnjax.optim._double_buffering`), so the exchange depends only on an input of
+      the step and may overlap its forward and backward pass. Step 0 applies a zero
+      gradient, as ChainerMN does. One step stale: keep `mnjax.skip_nonfinite` after it
+      (a NaN is skipped one step later, on every rank); not with float16 loss scaling,
+      whose scale may change between the step that scaled a gradient and the one that
+      unscales it.
 
   Returns:
-    An `optax.GradientTransformation` with `optax.EmptyState`.
+    An `optax.GradientTransformation` with `optax.EmptyState`, or with double buffering a
+    `DoubleBufferingState` holding the pending gradient (checkpointed with the rest).
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
@@ -86,6 +101,15 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
     >>> params, opt_state = step(params, opt_state, jnp.ones((4, 3)))
     >>> [round(w, 3) for w in params["w"].tolist()]     # 1 - 0.1 x the mean gradient, 6
     [0.4, 0.4, 0.4]
+
+    Double buffering: each step applies the previous step's gradient (step 0: zero).
+
+    >>> tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optax.sgd(0.1))
+    >>> params = {"w": jnp.ones(3)}
+    >>> opt_state = tx.init(params)
+    >>> params, opt_state = step(params, opt_state, jnp.ones((4, 3)))
+    >>> params["w"].tolist(), opt_state[0].pending["w"].tolist()   # zero applied, 6 pending
+    ([1.0, 1.0, 1.0], [6.0, 6.0, 6.0])
   """
   caller = "allreduce_gradients"
   check_communicator(comm, caller)
@@ -97,14 +121,31 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
   if not isinstance(preflight_timeout, (int, float)) or not preflight_timeout > 0:
     raise ValueError(f"{caller}: preflight_timeout must be a positive number of seconds,"
                      f" got {preflight_timeout!r}.")
+  if not isinstance(double_buffering, bool):
+    raise TypeError(f"{caller}: double_buffering must be a bool, got {double_buffering!r}.")
+  if double_buffering and comm.kind == "xla" and comm.local_device_count > 1:
+    # `mnjax.data_parallel` hands the xla kind's replicated outputs back from the first local
+    # device: the other devices' pending gradients would be dropped every step.
+    raise ValueError(
+        f"{caller}: double_buffering=True with the 'xla' kind needs one device per process,"
+        f" but this process drives {comm.local_device_count}: between steps the xla kind"
+        " keeps its replicated state from the first local device only, so the other"
+        " devices' pending gradients would be lost. Run one process per device, or use"
+        " 'hierarchical' or 'two_dimensional' (XLA's own scheduler already overlaps the xla"
+        " kind's collectives with the backward pass).")
   options = {"communicator kind": comm.kind, "replicas": comm.num_replicas, "mean": mean,
-             "wire_dtype": str(wire_dtype), "bucket_bytes": bucket_bytes}
+             "wire_dtype": str(wire_dtype), "bucket_bytes": bucket_bytes,
+             "double_buffering": double_buffering}
+
+  def reduce(tree):
+    return collectives.allreduce_tree(
+        tree, comm, mean=mean, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
 
   def init_fn(params):
     # Parameters and their gradients share dtypes: refuse what cannot be reduced now,
     # when the optimizer is built, rather than at the first step.
     collectives.check_float_leaves(params, caller, real=real)
-    return optax.EmptyState()
+    return double_buffering_lib.init_pending(params) if double_buffering else optax.EmptyState()
 
   def update_fn(updates, state, params=None):
     collectives.check_float_leaves(updates, caller, real=real)
@@ -112,11 +153,18 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
     signature = dict(options, **{"gradient tree": preflight.tree_signature(updates)})
     if params is not None:
       signature["parameter tree"] = preflight.tree_signature(params)
+    if double_buffering:  # what travels is the pending tree: the ranks compare it too
+      signature["pending tree"] = (
+          preflight.tree_signature(state.pending)
+          if isinstance(state, double_buffering_lib.DoubleBufferingState)
+          else type(state).__name__)
     preflight.check_same_on_all_ranks(
         comm, "the gradients to exchange", signature, caller=caller,
         timeout=preflight_timeout)
-    reduced = collectives.allreduce_tree(
-        updates, comm, mean=mean, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
-    return reduced, state
+    if double_buffering:  # after the comparison: every rank raises alike, none waits
+      double_buffering_lib.check_pending(updates, state, caller)
+      return double_buffering_lib.double_buffered_update(updates, state, comm, reduce,
+                                                         mean=mean)
+    return reduce(updates), state
 
   return optax.GradientTransformation(init_fn, update_fn)

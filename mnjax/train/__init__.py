@@ -6,6 +6,7 @@
 * `MetricsLog`, `write_config`, `save_params`: a run's work directory, written by rank 0;
   a failed write raises the same error on every rank.
 * `WorkdirLock`: one run per work directory (`train_loop` holds it while it runs).
+* `flush_pending`: double buffering's per-rank pending gradients summed before a checkpoint.
 * The classifier (`create_train_state`, `make_train_step`, `evaluate` over masked batches):
   one state, step and evaluation, with or without batch statistics.
 * `train_loop`: the guarded epoch loop every experiment runs, with its `RunConfig`.
@@ -32,6 +33,7 @@ from mnjax.train._lock import WorkdirLock
 from mnjax.train._loop import RunConfig, guarded_optimizer, skipped_steps, train_loop
 from mnjax.train._metrics import allreduce_metrics, global_mean, mean_metrics
 from mnjax.train._parallel import data_parallel
+from mnjax.train._pending import flush_pending
 from mnjax.train._workdir import MetricsLog, save_params, write_config
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "eval_step",
     "evaluate",
     "flag",
+    "flush_pending",
     "global_mean",
     "guarded_optimizer",
     "load_config",

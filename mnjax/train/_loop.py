@@ -30,6 +30,7 @@ import jax
 import optax
 from tqdm import tqdm
 
+from mnjax.checkpoint._checkpointer import CheckpointTemplateError
 from mnjax.checkpoint._loop import LoopCheckpoints
 from mnjax.comm._collectives import bucket_bytes_from_mb
 from mnjax.comm._communicator import KINDS, Communicator
@@ -42,6 +43,7 @@ from mnjax.train._classifier import TrainState, evaluate, zero_sums
 from mnjax.train._flags import check_fields, flag
 from mnjax.train._lock import WorkdirLock
 from mnjax.train._metrics import allreduce_metrics, global_mean
+from mnjax.train._pending import flush_pending
 from mnjax.train._workdir import MetricsLog, write_config
 
 __all__ = ["RunConfig", "guarded_optimizer", "skipped_steps", "train_loop"]
@@ -77,6 +79,8 @@ class RunConfig:
                          " bfloat16 or float16)")
   bucket_mb: str = flag("auto", help="largest fused gradient buffer in MiB; auto: the"
                         " platform default; 0: one buffer per dtype")
+  double_buffering: bool = flag(False, help="apply the previous step's reduced gradients"
+                                " while this step's wait (ChainerMN's double buffering)")
   progress: bool = flag(True, help="rank 0 shows a progress bar")
   resume: bool = flag(False, help="continue from the newest intact checkpoint in"
                       " <workdir>/checkpoints")
@@ -108,8 +112,18 @@ def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicato
     >>> tx = guarded_optimizer(optax.adam(1e-3), comm, config)
   """
   allreduce = allreduce_gradients(comm, wire_dtype=config.wire_dtype,
-                                  bucket_bytes=bucket_bytes_from_mb(config.bucket_mb))
+                                  bucket_bytes=bucket_bytes_from_mb(config.bucket_mb),
+                                  double_buffering=config.double_buffering)
   return optax.chain(allreduce, skip_nonfinite(optimizer))
+
+
+def _flushed(state: TrainState, comm: Communicator, config: RunConfig) -> TrainState:
+  """With double buffering, `state` with its pending gradient summed over the ranks
+  (`mnjax.train.flush_pending`): what a checkpoint of rank 0 must hold. The run trains on
+  with it, so a resumed run is bitwise the uninterrupted one."""
+  if not config.double_buffering:
+    return state
+  return state.replace(opt_state=flush_pending(state.opt_state, comm))
 
 
 def _skip_states(opt_state: Any) -> list[SkipNonFiniteState]:
@@ -196,6 +210,7 @@ def _epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: Any, 
       step += 1
       bar.update()
       if config.checkpoint_steps and step % config.checkpoint_steps == 0:
+        state = _flushed(state, comm, config)
         checkpoints.save(step, state, sums, epoch, i + 1)
     jax.block_until_ready(state)
   finally:
@@ -253,10 +268,20 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
     raise ValueError(f"train_loop: steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}.")
   skipped_steps(state.opt_state)  # fails now, not after an epoch, without skip_nonfinite
   settings = {k: getattr(config, k) for k in config.resume_settings}
+  if config.double_buffering:  # the optimizer state differs: a run without it cannot resume
+    settings["double_buffering"] = True
   checkpoints = LoopCheckpoints(
       os.path.join(config.workdir, "checkpoints"), comm, resume=config.resume,
       keep=config.keep_checkpoints, settings=settings)
-  state, sums, first_epoch, first_batch = checkpoints.start(state, zero_sums())
+  try:
+    state, sums, first_epoch, first_batch = checkpoints.start(state, zero_sums())
+  except CheckpointTemplateError as error:  # the same on every rank
+    if ".pending[" not in str(error):
+      raise
+    raise CheckpointTemplateError(
+        f"{error}. The checkpoint and this run differ in --double_buffering (its pending"
+        " gradient is part of the optimizer state): resume with the flag the run was saved"
+        " with.") from error
   step = int(state.step)
   write_config(config.workdir, config, comm)
   log = MetricsLog(config.workdir, comm)
@@ -302,6 +327,7 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
         print(_line(record, compiled=epoch == first_epoch), flush=True)
       sums = zero_sums()
       if config.checkpoint_every and epoch % config.checkpoint_every == 0:
+        state = _flushed(state, comm, config)
         checkpoints.save(step, state, sums, epoch + 1, 0)
   if not record:  # resumed a finished run: report where it ended
     record = {"epoch": first_epoch - 1, "steps": step, **_evaluation(state, eval_batches, comm)}

@@ -31,7 +31,7 @@ def test_step_benchmark_smoke(tmp_path):
   assert data["multi"]["ranks"] == 2
   assert set(data["multi"]["images_per_second"]) == {
       "no_communication", "allreduce", "allreduce_bf16_wire", "allreduce_buckets_64kB",
-      "naive_mpi4jax"}
+      "allreduce_double_buffering", "naive_mpi4jax"}
   assert all(v > 0 for v in data["multi"]["images_per_second"].values())
   assert "efficiency" in stdout
 
@@ -68,10 +68,11 @@ def test_resnet_benchmark_smoke(tmp_path):
                            tmp_path)
   assert set(data["images_per_second"]) == {
       "1_rank_plain", "1_rank_mnjax", "2_ranks_allreduce", "2_ranks_allreduce_local_bn",
-      "2_ranks_no_communication"}
+      "2_ranks_double_buffering_local_bn", "2_ranks_no_communication"}
   assert all(v > 0 for v in data["images_per_second"].values())
   for key in ("overhead_size1", "communication_share", "weak_scaling_efficiency"):
     assert key in data and key in stdout
+  assert data["double_buffering_efficiency"] > 0
 
 
 def test_checks_benchmark_smoke(tmp_path):

@@ -1,0 +1,190 @@
+"""In-step reduce-scatter and all-gather of pytrees, sharded leaf by leaf (ZeRO-1's wire).
+
+`mnjax.shard_optimizer` needs the two halves of an allreduce separately: a reduce-scatter
+that leaves each rank with the global sum of *its* share of the gradients, and an all-gather
+that hands every rank every share of the updates. Both are built from the in-step primitives
+(`mnjax.comm._primitives`: ``alltoall`` and ``allgather``, no JAX effect), exactly as the
+16-bit wire builds its allreduce (`mnjax.comm._wire`): alltoall, then a local sum of the
+received rows in rank order, then allgather.
+
+**Layout: every leaf is split into** ``p`` **shares.** Leaf ``x`` of ``n`` elements is raveled,
+zero-padded to ``p * c`` with ``c = ceil(n / p)`` (`share_size`) and viewed as ``(p, c)``:
+row ``r`` is rank ``r``'s share (`shard_leaf` takes it). For the wire, the ``(p, c_i)``
+views of a bucket's leaves are laid side by side into one ``(p, sum c_i)`` buffer, so one
+alltoall moves the whole bucket (buckets as `mnjax.comm._collectives.plan_buckets` cuts
+them: the ``bucket_bytes`` cap of `allreduce_gradients`). Each rank sends and receives
+``(p - 1) / p`` of the buffer per half, the bytes of a ring allreduce in total.
+
+**Determinism.** The received rows are summed in rank order (``row 0 + row 1 + ...``) by the
+one rank that owns the share, and the all-gather copies bits: every rank gets the same bits
+of every share. With two ranks the sum is the one MPI's allreduce computes (``a + b`` is
+commutative); with three or more MPI may associate it differently (the last bit can differ
+from `mnjax.comm.allreduce_tree`'s).
+
+**16-bit wire.** With ``wire_dtype`` the values are scaled by ``1 / replicas`` and rounded
+to 16 bits before the alltoall and summed in float32 (`mnjax.comm._wire`'s steps 1-2); the
+share stays float32: one rounding instead of the allreduce's two, so the error is within
+`mnjax.comm.error_bound`. `allgather_tree` moves its values in their own dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mnjax.comm import _primitives as mpi_ops
+from mnjax.comm._collectives import Bucket, completion_token, group_by_dtype, plan_buckets
+from mnjax.comm._communicator import Communicator
+
+__all__ = ["allgather_tree", "reduce_scatter_tree", "shard_leaf", "share_size", "unshard_leaf"]
+
+
+def share_size(n: int, parts: int) -> int:
+  """Elements of each share when a leaf of `n` elements is split into `parts`: ceil(n/parts).
+
+  Example:
+    >>> share_size(10, 3), share_size(1, 4), share_size(0, 2)
+    (4, 1, 0)
+  """
+  return -(-int(n) // int(parts))
+
+
+def _rows(leaf: Any, parts: int) -> jax.Array:
+  """`leaf` raveled, zero-padded to ``parts * c`` and viewed as ``(parts, c)``."""
+  flat = jnp.ravel(leaf)
+  c = share_size(flat.size, parts)
+  return jnp.pad(flat, (0, parts * c - flat.size)).reshape(parts, c)
+
+
+def shard_leaf(leaf: Any, index: int, parts: int) -> jax.Array:
+  """Share `index` of `parts` of `leaf`: a 1-D array of ``ceil(n / parts)`` elements (the
+  last shares end in zero padding). Traceable; no communication.
+
+  Example:
+    >>> shard_leaf(jnp.arange(5.0), 1, 2).tolist()
+    [3.0, 4.0, 0.0]
+  """
+  return _rows(leaf, parts)[index]
+
+
+def unshard_leaf(shares: Any, shape: tuple[int, ...]) -> Any:
+  """Inverse of `shard_leaf` over all shares: ``(parts, c)`` rows back to a leaf of `shape`
+  (padding dropped). Works on numpy and jax arrays.
+
+  Example:
+    >>> unshard_leaf(np.array([[0.0, 1, 2], [3, 4, 0]]), (5,)).tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0]
+  """
+  n = int(np.prod(shape, dtype=np.int64))
+  return shares.reshape(-1)[:n].reshape(shape)
+
+
+def reduce_scatter_tree(tree: Any, comm: Communicator, *, mean: bool = True,
+                        wire_dtype: np.dtype | None = None, bucket_bytes: int | None = None,
+                        after: Any = None) -> tuple[Any, jax.Array | None]:
+  """This rank's share (`shard_leaf`) of the global sum or mean of every leaf; in a step.
+
+  Arguments are checked by the caller (`mnjax.shard_optimizer`): float leaves, a ``flat``
+  communicator, a resolved `bucket_bytes` and `wire_dtype`.
+
+  Returns:
+    ``(shares, last)``: a tree like `tree` whose leaves are 1-D shares of ``ceil(n / p)``
+    elements (in the leaf's dtype; float32 with a 16-bit wire), and the last collective's
+    result, the `after` for the next collective (None on one rank).
+
+  Example:
+    >>> from mnjax.comm import _scatter
+    >>> f = lambda g: _scatter.reduce_scatter_tree(g, comm)[0]
+    >>> jax.jit(f)({"w": jnp.ones(3)})["w"].shape == (-(-3 // comm.size),)
+    True
+  """
+  parts, replicas = comm.size, comm.num_replicas
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  leaves = [jnp.asarray(leaf) for leaf in leaves]
+  if parts == 1:  # nothing to exchange: the share is the whole (raveled) leaf
+    return jax.tree_util.tree_unflatten(treedef, [jnp.ravel(x) for x in leaves]), after
+  out: list[Any] = [None] * len(leaves)
+  previous = completion_token(leaves) if after is None else after
+  for bucket in plan_buckets(leaves, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes):
+    members = [leaves[i] for i in bucket.positions]
+    if wire_dtype is None:
+      buf = _side_by_side([_rows(x.astype(bucket.dtype), parts) for x in members])
+    else:  # scaled in float32, rounded to 16 bits (what travels sums to the mean)
+      buf = _side_by_side([_rows((x.astype(jnp.float32) / replicas).astype(wire_dtype), parts)
+                           for x in members])
+    received = mpi_ops.alltoall(buf, comm.device_comm, previous)
+    total = received[0].astype(bucket.dtype)
+    for row in range(1, parts):  # rank order: the same bits wherever it is computed
+      total = total + received[row].astype(bucket.dtype)
+    previous = total
+    if wire_dtype is None and mean:
+      total = total / jnp.asarray(replicas, total.dtype)
+    elif wire_dtype is not None and not mean:
+      total = total * replicas
+    offset = 0
+    for i, x in zip(bucket.positions, members):
+      c = share_size(x.size, parts)
+      share = total[offset:offset + c]
+      out[i] = share if wire_dtype is not None else share.astype(x.dtype)
+      offset += c
+  return jax.tree_util.tree_unflatten(treedef, out), previous
+
+
+def allgather_tree(shares: Any, shapes: Any, comm: Communicator, *,
+                   bucket_bytes: int | None = None, after: Any = None) -> tuple[Any, Any]:
+  """Every rank's shares joined into whole leaves of `shapes`; call inside a step.
+
+  Args:
+    shares: a tree of 1-D shares, this rank's (``ceil(n / p)`` elements each).
+    shapes: a tree with the same structure whose leaves have the whole leaves' shapes
+      (arrays or `jax.ShapeDtypeStruct`).
+    comm: the ``flat`` `Communicator`.
+    bucket_bytes: the largest buffer, in bytes (None: one per dtype).
+    after: the previous collective's result (the order of collectives on every rank).
+
+  Returns:
+    ``(tree, last)``: whole leaves in the shares' dtypes, and the last collective's result.
+
+  Example:
+    >>> from mnjax.comm import _scatter
+    >>> f = lambda g: _scatter.allgather_tree(_scatter.reduce_scatter_tree(g, comm)[0], g,
+    ...                                       comm)[0]
+    >>> jax.jit(f)({"w": jnp.ones((2, 3))})["w"].shape
+    (2, 3)
+  """
+  parts = comm.size
+  leaves, treedef = jax.tree_util.tree_flatten(shares)
+  like = treedef.flatten_up_to(shapes)
+  if parts == 1:
+    return jax.tree_util.tree_unflatten(
+        treedef, [unshard_leaf(x, tuple(np.shape(t))) for x, t in zip(leaves, like)]), after
+  out: list[Any] = [None] * len(leaves)
+  previous = completion_token(leaves) if after is None else after
+  for bucket in _exact_buckets(leaves, bucket_bytes):
+    members = [leaves[i] for i in bucket.positions]
+    row = members[0] if len(members) == 1 else jnp.concatenate(members)
+    gathered = mpi_ops.allgather(row, comm.device_comm, previous)  # (parts, sum c_i)
+    previous = gathered
+    offset = 0
+    for i, x in zip(bucket.positions, members):
+      out[i] = unshard_leaf(gathered[:, offset:offset + x.size], tuple(np.shape(like[i])))
+      offset += x.size
+  return jax.tree_util.tree_unflatten(treedef, out), previous
+
+
+def _exact_buckets(leaves: list[Any], bucket_bytes: int | None) -> list[Bucket]:
+  """`plan_buckets` within each exact dtype: values move as raw words, so a 16-bit float
+  stays 16-bit (`plan_buckets` would put it with float32, the dtype it is summed in)."""
+  buckets = []
+  for group in group_by_dtype([x.dtype for x in leaves], key=np.dtype):
+    members = [leaves[i] for i in group.positions]
+    for b in plan_buckets(members, bucket_bytes=bucket_bytes):
+      buckets.append(Bucket(group.dtype, tuple(group.positions[j] for j in b.positions)))
+  return buckets
+
+
+def _side_by_side(blocks: list[jax.Array]) -> jax.Array:
+  return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)

@@ -1,0 +1,343 @@
+"""allreduce_gradients(double_buffering=True): step t applies the global gradient of step t - 1.
+
+Compared with a single-process reference on the concatenated global batch (to 1e-5 after 10
+steps), for ``flat``, ``two_dimensional`` and ``hierarchical`` (1 x 2 here, 2 x 2 and 3 x 2
+under mpirun; ``single_node`` in one process; ``xla`` with several devices per process is
+refused), with buckets and the 16-bit wire, under skip_nonfinite, inside
+accumulate_gradients, and through a Checkpointer round trip and train_loop's resume (the
+pending gradients flushed); the replicas stay bitwise identical.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from mpi4py import MPI
+
+import mnjax
+from mnjax.checkpoint._checkpointer import CheckpointTemplateError
+
+STEPS, PER_REPLICA, DIM = 10, 4, 5
+
+
+def loss(params, x, y):
+  return jnp.mean((jnp.tanh(x @ params["w"]) + params["b"] - y) ** 2)
+
+
+def init_params():
+  return {"w": jnp.linspace(-1.0, 1.0, DIM * 3).reshape(DIM, 3), "b": jnp.zeros(3)}
+
+
+def global_batches(replicas, steps=STEPS):
+  """Every replica's examples of every step: ``(steps, replicas * PER_REPLICA, ...)``."""
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((steps, replicas * PER_REPLICA, DIM)).astype(np.float32)
+  y = rng.standard_normal((steps, replicas * PER_REPLICA, 3)).astype(np.float32)
+  return x, y
+
+
+def mine(kc, batch):
+  """This process's rows of a global batch (its local devices' replicas, in order)."""
+  rows = PER_REPLICA * kc.local_device_count
+  return batch[..., kc.rank * rows:(kc.rank + 1) * rows, :]
+
+
+def make_step(kc, tx):
+  """One step over this process's batch: jitted (flat) or mapped over its devices."""
+  def step(params, opt_state, x, y, scale):
+    grads = jax.grad(loss)(params, x, y)
+    grads = jax.tree.map(lambda g: g * scale, grads)  # NaN/Inf where a test poisons it
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return mnjax.data_parallel(step, kc, batch_argnums=(2, 3))
+
+
+def reference(optimizer, x, y, *, skip=(), every_k=1):
+  """One process: the update of step t (cycle t) is the global-batch gradient of step t - 1
+  (zero at step 0); steps whose applied gradient is listed in `skip` change nothing."""
+  params, state = init_params(), optimizer.init(init_params())
+  previous = jax.tree.map(jnp.zeros_like, params)
+  for cycle in range(len(x) // every_k):
+    micro = range(cycle * every_k, (cycle + 1) * every_k)
+    grads = [jax.grad(loss)(params, x[t], y[t]) for t in micro]
+    grads = jax.tree.map(lambda *g: sum(g) / every_k, *grads)
+    if cycle - 1 not in skip:
+      updates, state = optimizer.update(previous, state, params)
+      params = optax.apply_updates(params, updates)
+    previous = grads
+  return params
+
+
+def assert_replicas_identical(kc, tree):
+  replicas = kc.mpi_comm.allgather(jax.tree.map(np.asarray, tree))
+  for other in replicas[1:]:
+    for a, b in zip(jax.tree.leaves(replicas[0]), jax.tree.leaves(other)):
+      np.testing.assert_array_equal(a, b)
+
+
+def params_before_last(kc, tx, x, y):
+  return run(kc, tx, x[:-1], y[:-1])[0]
+
+
+def run(kc, tx, x, y, scales=None):
+  step = make_step(kc, tx)
+  params = init_params()
+  opt_state = tx.init(params)
+  for t in range(len(x)):
+    scale = 1.0 if scales is None else scales[t]
+    params, opt_state = step(params, opt_state, mine(kc, x[t]), mine(kc, y[t]),
+                             jnp.float32(scale))
+  return params, opt_state
+
+
+@functools.cache
+def communicator(kind):
+  return mnjax.create_communicator(kind)
+
+
+CASES = [  # (kind, wire_dtype, bucket_bytes, tolerance)
+    ("flat", None, None, 1e-5),
+    ("flat", None, 64, 1e-5),  # several buckets, leaves reduced in place
+    ("flat", jnp.bfloat16, 64, 2e-2),
+    ("two_dimensional", None, None, 1e-5),
+    ("two_dimensional", jnp.bfloat16, 64, 2e-2),
+    ("hierarchical", None, 64, 1e-5),
+] + ([("single_node", None, None, 1e-5)] if MPI.COMM_WORLD.size == 1 else [])
+
+
+@pytest.mark.parametrize(("kind", "wire_dtype", "bucket_bytes", "tolerance"), CASES)
+def test_each_step_applies_the_previous_global_gradient(kind, wire_dtype, bucket_bytes,
+                                                        tolerance):
+  kc = communicator(kind)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  tx = optax.chain(mnjax.allreduce_gradients(kc, double_buffering=True, wire_dtype=wire_dtype,
+                                             bucket_bytes=bucket_bytes), optimizer)
+  x, y = global_batches(kc.num_replicas)
+  params, opt_state = run(kc, tx, x, y)
+  want = reference(optimizer, x, y)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance)
+  assert_replicas_identical(kc, (params, opt_state[1]))
+  # What waits is each replica's own last gradient; flushed, their sum, the same everywhere.
+  flushed = mnjax.train.flush_pending(opt_state, kc)
+  assert bool(flushed[0].reduced) and jax.tree.structure(flushed) == jax.tree.structure(opt_state)
+  assert_replicas_identical(kc, flushed)
+  last = jax.grad(loss)(params_before_last(kc, tx, x, y), x[-1], y[-1])  # the global mean
+  for a, b in zip(jax.tree.leaves(flushed[0].pending), jax.tree.leaves(last)):
+    np.testing.assert_allclose(a / kc.num_replicas, b, rtol=tolerance, atol=tolerance)
+
+
+def test_without_double_buffering_the_reference_does_not_match(comm):
+  """The reference can fail: the plain exchange applies the current gradient instead."""
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  tx = optax.chain(mnjax.allreduce_gradients(comm), optimizer)
+  x, y = global_batches(comm.num_replicas)
+  params, _ = run(comm, tx, x, y)
+  assert not np.allclose(params["w"], reference(optimizer, x, y)["w"], atol=1e-3)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_bad_gradient_on_the_last_rank_is_skipped_one_step_later_on_every_rank(comm, bad):
+  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True),
+                   mnjax.skip_nonfinite(optax.sgd(0.1, momentum=0.9)))
+  x, y = global_batches(comm.num_replicas, steps=6)
+  poisoned = 3
+  scales = [bad if t == poisoned and comm.rank == comm.size - 1 else 1.0 for t in range(6)]
+  step = make_step(comm, tx)
+  params, opt_state = init_params(), tx.init(init_params())
+  history = []
+  for t in range(6):
+    params, opt_state = step(params, opt_state, mine(comm, x[t]), mine(comm, y[t]),
+                             jnp.float32(scales[t]))
+    history.append((params, int(opt_state[1].skipped), int(opt_state[1].consecutive)))
+  # Step 3 applies step 2's finite gradient; step 4 applies step 3's: skipped by every rank.
+  assert [h[1:] for h in history] == [(0, 0)] * 4 + [(1, 1), (1, 0)]
+  for a, b in zip(jax.tree.leaves(history[4][0]), jax.tree.leaves(history[3][0])):
+    np.testing.assert_array_equal(a, b)
+  assert comm.mpi_comm.allgather(history[4][1:]) == [(1, 1)] * comm.size
+  want = reference(optax.sgd(0.1, momentum=0.9), x, y, skip=(poisoned,))
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  assert_replicas_identical(comm, (params, opt_state[1]))
+
+
+def test_inside_accumulate_gradients_each_cycle_applies_the_previous_cycle(comm):
+  k = 3
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  tx = mnjax.accumulate_gradients(
+      optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optimizer), every_k=k)
+  x, y = global_batches(comm.num_replicas, steps=4 * k)
+  params, opt_state = run(comm, tx, x, y)
+  want = reference(optimizer, x, y, every_k=k)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  assert_replicas_identical(comm, (params, opt_state.inner_state[1]))
+
+
+def test_the_pending_gradient_survives_a_checkpoint_bit_for_bit(comm, tmp_path):
+  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True),
+                   mnjax.skip_nonfinite(optax.adam(1e-2)))
+  x, y = global_batches(comm.num_replicas, steps=6)
+  step = make_step(comm, tx)
+  state = {"params": init_params(), "opt": tx.init(init_params())}
+
+  def advance(state, steps):
+    params, opt = state["params"], state["opt"]
+    for t in steps:
+      params, opt = step(params, opt, mine(comm, x[t]), mine(comm, y[t]), jnp.float32(1.0))
+    return {"params": params, "opt": opt}
+
+  state = advance(state, range(3))
+  assert float(jnp.abs(state["opt"][0].pending["w"]).sum()) > 0  # a real gradient waits
+  # Each rank's own gradient waits: flushed (summed), rank 0's state is everyone's.
+  state = {"params": state["params"], "opt": mnjax.train.flush_pending(state["opt"], comm)}
+  assert_replicas_identical(comm, state)
+  fresh = {"params": init_params(), "opt": tx.init(init_params())}
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm, async_save=False) as ckpt:
+    ckpt.save(3, state)
+    restored_step, restored, _ = ckpt.restore(fresh)
+    # A run without double buffering does not silently take this state.
+    plain = optax.chain(mnjax.allreduce_gradients(comm), mnjax.skip_nonfinite(optax.adam(1e-2)))
+    with pytest.raises(CheckpointTemplateError):
+      ckpt.restore({"params": init_params(), "opt": plain.init(init_params())})
+  assert restored_step == 3
+  assert isinstance(restored["opt"][0], mnjax.optim.DoubleBufferingState)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  # Continuing from the restored state is bitwise the uninterrupted run.
+  resumed, uninterrupted = advance(restored, range(3, 6)), advance(state, range(3, 6))
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted)):
+    np.testing.assert_array_equal(a, b)
+  assert_replicas_identical(comm, (resumed["params"], resumed["opt"][1]))
+
+
+def test_a_step_with_sync_batch_norm_runs_in_one_order_on_every_rank(comm):
+  """SyncBatchNorm's collectives and the double-buffered exchange (ordered after the new
+  gradient inside data_parallel): no hang, the same parameters everywhere."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = mnjax.SyncBatchNorm(comm, use_running_average=False)(nn.Dense(8)(x))
+      return nn.Dense(3)(nn.relu(x))
+
+  net = Net()
+  variables = net.init(jax.random.key(0), jnp.ones((PER_REPLICA, DIM)))
+  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optax.sgd(0.1))
+
+  def step(params, stats, opt_state, x, y):
+    def objective(p):
+      out, new = net.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
+      return jnp.mean((out - y) ** 2), new["batch_stats"]
+    grads, stats = jax.grad(objective, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), stats, opt_state
+
+  run_step = mnjax.data_parallel(step, comm, batch_argnums=(3, 4))
+  params, stats = variables["params"], variables["batch_stats"]
+  opt_state = tx.init(params)
+  x, y = global_batches(comm.num_replicas, steps=3)
+  for t in range(3):
+    params, stats, opt_state = run_step(params, stats, opt_state, mine(comm, x[t]),
+                                        mine(comm, y[t]))
+  assert_replicas_identical(comm, (params, stats, opt_state[1]))
+
+
+def test_bad_arguments_and_states_are_refused(comm):
+  with pytest.raises(TypeError, match="double_buffering must be a bool"):
+    mnjax.allreduce_gradients(comm, double_buffering=1)
+  # The xla kind keeps replicated state from its first local device between steps.
+  xla = dataclasses.replace(comm, kind="xla", local_device_count=2)
+  with pytest.raises(ValueError, match="'xla' kind needs one device per process"):
+    mnjax.allreduce_gradients(xla, double_buffering=True)
+  tx = mnjax.allreduce_gradients(comm, double_buffering=True)
+  grads = {"w": jnp.ones(3)}
+  with pytest.raises(TypeError, match="must be a DoubleBufferingState"):
+    tx.update(grads, optax.EmptyState(), grads)
+  with pytest.raises(ValueError, match=r"leaf \['w'\] is float32\[3\] in the gradient but"
+                                       r" float32\[2\]"):
+    tx.update(grads, tx.init({"w": jnp.ones(2)}), None)
+
+
+def test_an_unflushed_checkpoint_would_give_every_rank_rank_0s_gradient(comm, tmp_path):
+  """Why flush_pending exists: restore broadcasts rank 0's state, so without the flush the
+  other ranks' pending gradients are lost and the resumed run leaves the uninterrupted one."""
+  if comm.size == 1:
+    pytest.skip("one rank: rank 0's pending gradient is the only one (runs under mpirun)")
+  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optax.sgd(0.1))
+  x, y = global_batches(comm.num_replicas, steps=2)
+  step = make_step(comm, tx)
+  params, opt = init_params(), tx.init(init_params())
+  params, opt = step(params, opt, mine(comm, x[0]), mine(comm, y[0]), jnp.float32(1.0))
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm, async_save=False) as ckpt:
+    ckpt.save(1, {"params": params, "opt": opt})
+    _, restored, _ = ckpt.restore({"params": init_params(), "opt": tx.init(init_params())})
+  args = (mine(comm, x[1]), mine(comm, y[1]), jnp.float32(1.0))
+  resumed, _ = step(restored["params"], restored["opt"], *args)
+  uninterrupted, _ = step(params, opt, *args)
+  assert not np.array_equal(resumed["w"], uninterrupted["w"])
+
+
+def test_mean_false_applies_the_previous_sum_flushed_or_not(comm):
+  grads = [{"w": jnp.full(3, comm.rank + 1.0)}, {"w": jnp.full(3, 10.0 * (comm.rank + 1))}]
+  total = sum(range(1, comm.size + 1))
+  for mean, want in ((False, total), (True, total / comm.size)):
+    tx = mnjax.allreduce_gradients(comm, mean=mean, double_buffering=True)
+    update = jax.jit(tx.update)
+    state = tx.init(grads[0])
+    out, state = update(grads[0], state)
+    np.testing.assert_array_equal(out["w"], np.zeros(3))  # step 0 applies zero
+    out, after = update(grads[1], state)
+    np.testing.assert_allclose(out["w"], np.full(3, want), rtol=1e-6)
+    # A flushed pending sum is applied the same way (and a second flush changes nothing).
+    flushed = mnjax.train.flush_pending(mnjax.train.flush_pending(state, comm), comm)
+    out_flushed, _ = update(grads[1], flushed)
+    np.testing.assert_allclose(out_flushed["w"], np.full(3, want), rtol=1e-6)
+    np.testing.assert_array_equal(after.pending["w"], grads[1]["w"])
+
+
+LOOP_STEPS = 3
+
+
+def loop_run(comm, workdir, *, epochs, resume=False, double_buffering=True):
+  """`train_loop` on the digits CNN, double-buffered through `guarded_optimizer`."""
+  from mnjax.models import SmallCNN
+  from mnjax.train import RunConfig, create_train_state, guarded_optimizer, make_train_step
+
+  digits = mnjax.data.load_digits("train")
+  config = RunConfig(epochs=epochs, global_batch_size=8 * comm.size, workdir=str(workdir),
+                     progress=False, resume=resume, checkpoint_steps=2,
+                     double_buffering=double_buffering, stall_timeout=0)
+  tx = guarded_optimizer(optax.adam(1e-2), comm, config)
+  state = mnjax.broadcast(create_train_state(SmallCNN(), tx, digits.images[:1],
+                                             jax.random.key(0)), comm)
+
+  def batches(epoch, start):
+    order = list(mnjax.epoch_batches(len(digits), comm, 8 * comm.size, shuffle=True,
+                                     epoch=epoch))
+    for idx, _ in order[start:LOOP_STEPS]:
+      yield digits.images[idx], digits.labels[idx]
+
+  state, _ = mnjax.train.train_loop(config, comm, state, make_train_step(comm), batches,
+                                    steps_per_epoch=LOOP_STEPS)
+  return state
+
+
+def test_train_loop_resumes_a_double_buffered_run_bit_for_bit(comm, tmp_path):
+  whole = loop_run(comm, tmp_path / "whole", epochs=2)
+  loop_run(comm, tmp_path / "split", epochs=1)  # checkpoints at steps 2 and 3 (epoch end)
+  resumed = loop_run(comm, tmp_path / "split", epochs=2, resume=True)
+  for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params)):
+    np.testing.assert_array_equal(a, b)
+  assert isinstance(resumed.opt_state[0], mnjax.optim.DoubleBufferingState)
+  # The flag must match the checkpoint's, either way: refused on every rank, with the fix.
+  with pytest.raises(CheckpointTemplateError, match="differ in --double_buffering"):
+    loop_run(comm, tmp_path / "split", epochs=3, resume=True, double_buffering=False)
+  loop_run(comm, tmp_path / "plain", epochs=1, double_buffering=False)
+  with pytest.raises(CheckpointTemplateError, match="differ in --double_buffering"):
+    loop_run(comm, tmp_path / "plain", epochs=2, resume=True)
