@@ -19,6 +19,12 @@ orbax-checkpoint, and restores it exactly:
   `CheckpointTemplateError` naming the difference, and nothing falls back past it.
 - **Same step everywhere.** Rank 0 chooses the step, reads it and broadcasts the state, so
   ranks with a stale or private view of the directory cannot resume from different steps.
+- **Sharded optimizer state saved whole.** A `mnjax.optim.ShardedState` in the tree (what
+  `mnjax.shard_optimizer` keeps: this rank's shares) is joined from every rank's shares and
+  written whole, as ``gather_optimizer_state`` returns it, so the checkpoint does not depend
+  on the number of ranks; a template holding a `ShardedState` gets this rank's share of it
+  back, so a run saved on P ranks resumes on Q (`mnjax.checkpoint._sharded`). Digests are
+  of the whole state, as on disk.
 
 Saving is asynchronous by default: rank 0 copies the state to host memory and orbax writes
 it in the background while training goes on. The next `save`, `wait` or `close` checks that
@@ -36,6 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mnjax.checkpoint import _sharded as sharded
 from mnjax.checkpoint._template import (
     like,
     signature,
@@ -134,8 +141,13 @@ class Checkpointer:
 
     Args:
       step: the global step count (equal on every rank, or `ValueError` on every rank).
-      state: the pytree to save; jax arrays, numpy arrays, Python scalars and PRNG keys.
+      state: the pytree to save; jax arrays, numpy arrays, Python scalars and PRNG keys,
+        and `shard_optimizer` states (saved whole: module docstring).
       meta: JSON-serialisable extras restored with it (epoch, data position, config).
+
+    Raises:
+      ValueError: on every rank, when the ranks save different steps, or sharded optimizer
+        states that are not each rank's own share of the same tree.
     """
     step = int(step)
     steps = self.comm.mpi_comm.allgather(step) if self.comm.size > 1 else [step]
@@ -143,12 +155,16 @@ class Checkpointer:
       raise ValueError(
           f"Checkpointer.save: the ranks are saving different steps {steps}; every rank"
           " must call save at the same step (replicas are identical only at equal steps).")
+    wrong = sharded.check(self.comm, state, "Checkpointer.save")
+    if wrong:
+      raise ValueError(f"{wrong} Nothing was saved.")
+    wholes = sharded.gather(self.comm, state)  # every rank: the shares go to rank 0
     problem = None
     if self._manager is not None:
       problem = self._finish_pending()
       if problem is None:
         try:
-          self._start(step, state, meta)
+          self._start(step, state, wholes, meta)
         except Exception as error:  # noqa: BLE001 (reported on every rank below)
           problem = (f"checkpoint {step} could not be started: {type(error).__name__}:"
                      f" {str(error)[:500]}")
@@ -156,9 +172,10 @@ class Checkpointer:
           problem = None if self._async else self._finish_pending()
     self._raise_on_every_rank(problem)
 
-  def _start(self, step: int, state: Any, meta: dict | None) -> None:
-    """Rank 0: hands checkpoint `step` to orbax (the previous write is finished)."""
-    host = jax.tree.map(to_host, state)
+  def _start(self, step: int, state: Any, wholes: list[Any], meta: dict | None) -> None:
+    """Rank 0: hands checkpoint `step` to orbax (the previous write is finished); `wholes`:
+    the whole states of `state`'s sharded optimizer states (`sharded.gather`)."""
+    host = sharded.host_tree(state, wholes, to_host)
     record = {"step": step, "meta": meta or {}, "settings": self.settings,
               "digests": _digests(host), "signature": signature(host),
               "structure": structure(host)}
@@ -268,7 +285,9 @@ class Checkpointer:
         structure, shapes and dtypes are checked (a Python scalar leaf, like a fresh
         ``TrainState.step``, or a 0-d numpy one, takes the dtype that was saved), and its
         leaves say how to return each value (jax array on the same sharding, numpy, PRNG
-        key, scalar).
+        key, scalar). A `shard_optimizer` state in it (this communicator's, e.g. a fresh
+        ``init``) receives this rank's share of the whole state saved there, however many
+        ranks saved it.
 
     Returns:
       None when the directory holds no checkpoint; otherwise ``(step, state, meta)``.
@@ -279,6 +298,12 @@ class Checkpointer:
         shapes or dtypes) than `template` on some rank; nothing falls back past it.
       ValueError: the checkpoint was saved with other ``settings``.
     """
+    wrong = sharded.check(self.comm, template, "Checkpointer.restore")
+    if wrong:
+      raise CheckpointTemplateError(
+          f"{wrong} Nothing was loaded. Build the template's optimizer state with"
+          " shard_optimizer(comm, tx).init(params) for this job's communicator.")
+    shards, template = template, sharded.whole_template(template)  # as written on disk
     outcome: Any = None
     state = None
     if self._manager is not None:
@@ -300,7 +325,7 @@ class Checkpointer:
       state = target(template, outcome["signature"])
     state = broadcast(state, self.comm, root=0)
     state = jax.tree.map(like, state, template)
-    return outcome["step"], state, outcome["meta"]
+    return outcome["step"], sharded.reshard(state, shards, like), outcome["meta"]
 
   def resume(self, template: Any, *, requested: bool) -> tuple[int, Any, dict] | None:
     """What a training script does at start: `restore` when resuming was `requested`, and

@@ -228,7 +228,7 @@ def cut_like(state: ShardedState, whole: Any) -> ShardedState:
     True
   """
   leaves = jax.tree.structure(state.inner).flatten_up_to(whole)
-  out = [np.asarray(x) if shape is None else _share(np.asarray(x), 0, state.parts)
+  out = [np.asarray(x) if shape is None else _share(np.asarray(x), state.index, state.parts)
          for x, shape in zip(leaves, state.layout)]
   return ShardedState(jax.tree.unflatten(jax.tree.structure(state.inner), out), state.index,
                       state.parts, state.layout)

@@ -1,0 +1,107 @@
+"""Checkpoints of trees that hold `mnjax.shard_optimizer`'s state: saved whole, restored
+re-sharded for the restoring rank.
+
+A `ShardedState` holds only this rank's shares, while `Checkpointer` writes rank 0's tree:
+saved as it is, a checkpoint would keep rank 0's shares alone. Instead every rank takes
+part in joining each `ShardedState` of the tree on rank 0 (`gather`, one MPI gather per share
+leaf) and rank 0 writes the whole inner state in its place: on disk it is what
+``gather_optimizer_state`` returns, what ``tx.init(params)`` holds unsharded after the same
+steps, whatever the number of ranks. On restore, a template that holds a `ShardedState` for
+this communicator reads that whole state (`whole_template`) and cuts this rank's share from
+it (`reshard`, the cut of ``scatter_optimizer_state``), so a run saved on P ranks resumes on
+Q. Each rank briefly holds the whole optimizer state while restoring (rank 0 while saving).
+
+On the same number of ranks the resume is bitwise: the shares cut again are the saved ones,
+except their zero padding (a padding element of the running state is never used).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from mnjax.comm._communicator import Communicator
+from mnjax.comm._host import gather_if_different, tree_signature
+from mnjax.optim._shard_state import ShardedState, cut_like, gather_to_root, whole_like
+
+__all__ = ["check", "gather", "host_tree", "reshard", "whole_template"]
+
+
+def _is_sharded(x: Any) -> bool:
+  return isinstance(x, ShardedState)
+
+
+def _split(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+  """``[(path, leaf or ShardedState)]`` and the tree's structure above them."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharded)
+  return [(jax.tree_util.keystr(path), x) for path, x in flat], treedef
+
+
+def check(comm: Communicator, tree: Any, caller: str) -> str | None:
+  """What is wrong with the `ShardedState` s of `tree` on some rank, the same text on every
+  rank (None when nothing is): each rank must hold its own share (``index == comm.rank``,
+  ``parts == comm.size``) with a layout, and every rank the same sharded leaves at the same
+  paths. Collective (one small allgather; more only on a mismatch)."""
+  nodes = [(path, x) for path, x in _split(tree)[0] if _is_sharded(x)]
+  mine = None
+  for path, x in nodes:
+    if (x.index, x.parts) != (comm.rank, comm.size):
+      mine = (f"at {path or '<root>'} rank {comm.rank} holds share {x.index} of {x.parts},"
+              f" but the communicator is rank {comm.rank} of {comm.size}")
+    elif x.layout is None:
+      mine = (f"the ShardedState at {path or '<root>'} has no layout (it was not made by"
+              " shard_optimizer's init or scatter_optimizer_state)")
+    if mine:
+      break
+  described = [(path, x.parts, x.layout, tree_signature(x.inner)) for path, x in nodes]
+  everyone = (gather_if_different(comm, (described, mine), what=f"{caller}'s sharded state")
+              if comm.size > 1 else None)
+  if everyone is None:
+    return None if mine is None else f"{caller}: {mine}."
+  problems = [(rank, text) for rank, (_, text) in enumerate(everyone) if text]
+  if problems:
+    return f"{caller}: {problems[0][1]} (and on {len(problems) - 1} more ranks)."
+  differing = [rank for rank, (d, _) in enumerate(everyone) if d != everyone[0][0]]
+  return (f"{caller}: the ranks hold different shard_optimizer states: rank 0"
+          f" {[p for p, *_ in everyone[0][0]]}, rank {differing[0]}"
+          f" {[p for p, *_ in everyone[differing[0]][0]]} (paths of the ShardedState s; or"
+          " their leaves differ). Every rank must pass the same tree.")
+
+
+def gather(comm: Communicator, tree: Any) -> list[Any] | None:
+  """Rank 0: the whole inner state of each `ShardedState` of `tree`, in flattening order;
+  None on the other ranks. Collective (`check` first, so that every rank takes part)."""
+  wholes = [gather_to_root(comm, x) for _, x in _split(tree)[0] if _is_sharded(x)]
+  return wholes if comm.is_root else None
+
+
+def host_tree(tree: Any, wholes: list[Any], to_host: Callable[[Any], Any]) -> Any:
+  """The tree as it is written: each `ShardedState` replaced by its whole state (`wholes`,
+  from `gather`), every other leaf a host copy (`to_host`)."""
+  flat, treedef = _split(tree)
+  wholes = iter(wholes)
+  return jax.tree.unflatten(treedef, [next(wholes) if _is_sharded(x) else to_host(x)
+                                      for _, x in flat])
+
+
+def whole_template(template: Any) -> Any:
+  """The tree a checkpoint of `template` holds on disk: each `ShardedState` replaced by
+  placeholders of its whole state (numpy, allocating nothing)."""
+  flat, treedef = _split(template)
+  return jax.tree.unflatten(treedef, [whole_like(x) if _is_sharded(x) else x for _, x in flat])
+
+
+def reshard(state: Any, template: Any, like: Callable[[Any, Any], Any]) -> Any:
+  """`state` (restored in `whole_template(template)`'s form) with each whole state cut for
+  the `ShardedState` the template has there, its leaves made `like` the template's."""
+  flat, treedef = _split(template)
+  parts = treedef.flatten_up_to(state)
+  out = []
+  for (_, t), value in zip(flat, parts):
+    if _is_sharded(t):
+      cut = cut_like(t, value)
+      value = ShardedState(jax.tree.map(like, cut.inner, t.inner), t.index, t.parts, t.layout)
+    out.append(value)
+  return jax.tree.unflatten(treedef, out)
