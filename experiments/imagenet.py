@@ -124,7 +124,9 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   tx = mnjax.train.guarded_optimizer(optimizer(config, steps), comm, config)
   sample = eval_fn(train_source[0][0], None)[None]  # one preprocessed image: the input shape
   state = mnjax.train.create_train_state(model, tx, sample, jax.random.key(config.seed))
-  state = mnjax.broadcast(state, comm, root=0)
+  # Rank 0's parameters on every rank (the optimizer state follows from them; with
+  # --shard_optimizer each rank holds its own share of it).
+  state = state.replace(params=mnjax.broadcast(state.params, comm, root=0))
 
   return mnjax.train.train_loop(
       config, comm, state,

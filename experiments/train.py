@@ -69,7 +69,9 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   tx = mnjax.train.guarded_optimizer(optax.adam(config.learning_rate), comm, config)
   state = mnjax.train.create_train_state(SmallCNN(num_classes=train.num_classes), tx,
                                          train.images[:1], jax.random.key(config.seed))
-  state = mnjax.broadcast(state, comm, root=0)
+  # Rank 0's parameters on every rank (the optimizer state follows from them; with
+  # --shard_optimizer each rank holds its own share of it).
+  state = state.replace(params=mnjax.broadcast(state.params, comm, root=0))
 
   def epoch_order(epoch):
     return mnjax.epoch_batches(len(train), comm, config.global_batch_size, shuffle=True,

@@ -9,6 +9,12 @@ optimizer whose state must not see the bad gradient::
 
     tx = optax.chain(mnjax.allreduce_gradients(comm), mnjax.skip_nonfinite(optax.adam(1e-3)))
 
+With `mnjax.shard_optimizer` the exchange is inside the optimizer, and a gradient going in
+is still each rank's own: wrap the sharded optimizer and decide on the update it returns,
+which is all-gathered and so the same on every rank (a NaN anywhere reaches it)::
+
+    tx = mnjax.skip_nonfinite(mnjax.shard_optimizer(comm, optax.adam(1e-3)), on="update")
+
 A skipped step leaves parameters and the wrapped optimizer's state untouched and counts the
 skip. Unlike ``optax.apply_if_finite``, which after too many errors applies the bad update
 anyway, `raise_if_diverging` stops a run that only skips (`FloatingPointError`, on every
@@ -24,6 +30,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+
+from mnjax.optim._shard_state import ShardedState
 
 __all__ = ["SkipNonFiniteState", "all_finite", "raise_if_diverging", "skip_nonfinite"]
 
@@ -53,11 +61,17 @@ def all_finite(tree: Any) -> jax.Array:
   return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
-def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+def skip_nonfinite(inner: optax.GradientTransformation, *, on: str = "gradient"
+                   ) -> optax.GradientTransformation:
   """Applies `inner` only when the (already reduced) gradient is finite; counts the skips.
 
   Args:
     inner: the transformation to protect (the optimizer after the allreduce).
+    on: what must be finite, the same on every rank: ``"gradient"``, the gradient `inner`
+      receives (after `allreduce_gradients`); or ``"update"``, the update `inner` returns
+      and the gradient (for an `inner` that exchanges itself, `mnjax.shard_optimizer`:
+      its update is all-gathered). ``"gradient"`` around a sharded optimizer would let
+      ranks decide differently, so it is refused at ``init``.
 
   Returns:
     An `optax.GradientTransformation` whose state is a `SkipNonFiniteState`. Skipped steps
@@ -77,14 +91,24 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     raise TypeError(
         "skip_nonfinite wraps an optax.GradientTransformation (e.g. optax.adam(1e-3)), got"
         f" {type(inner).__name__}.")
+  if on not in ("gradient", "update"):
+    raise ValueError(f"skip_nonfinite: on must be 'gradient' or 'update', got {on!r}.")
 
   def init_fn(params):
     zero = jnp.zeros((), jnp.int32)
-    return SkipNonFiniteState(zero, zero, inner.init(params))
+    inner_state = inner.init(params)
+    if on == "gradient" and any(isinstance(s, ShardedState) for s in jax.tree.leaves(
+        inner_state, is_leaf=lambda x: isinstance(x, ShardedState))):
+      raise ValueError(
+          "skip_nonfinite: the optimizer it wraps is sharded (mnjax.shard_optimizer), so the"
+          " gradient it sees is each rank's own, before the exchange, and ranks would skip"
+          " different steps. Decide on the all-gathered update instead:"
+          " skip_nonfinite(shard_optimizer(comm, tx), on='update').")
+    return SkipNonFiniteState(zero, zero, inner_state)
 
   def update_fn(updates, state, params=None, **extra):
-    finite = all_finite(updates)
     new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+    finite = all_finite(updates) if on == "gradient" else all_finite(new_updates)
     # A select, not a lax.cond: XLA fuses it into the update (a cond copies its operands).
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)

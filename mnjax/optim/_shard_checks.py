@@ -40,8 +40,8 @@ from mnjax.guard import _preflight as preflight
 __all__ = ["NEEDS_WHOLE_TREE", "check_elementwise_on_shares", "whole_tree_transformations"]
 
 _CLIP = "pass clip_global_norm=max_norm to shard_optimizer instead (exact on shares)"
-_WRAP = ("wrap the sharded optimizer instead, so it sees the whole update, e.g."
-         " skip_nonfinite(shard_optimizer(comm, tx))")
+_WRAP = ("wrap the sharded optimizer instead, deciding on the whole (all-gathered) update:"
+         " skip_nonfinite(shard_optimizer(comm, tx), on='update')")
 _UNSHARDED = "use optax.chain(mnjax.allreduce_gradients(comm), tx) (unsharded state)"
 
 #: Known optax/mnjax transformations that need the whole tree or whole leaves, by the name

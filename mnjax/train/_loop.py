@@ -39,6 +39,7 @@ from mnjax.guard._consensus import check_replicas
 from mnjax.guard._watchdog import Watchdog
 from mnjax.optim._allreduce import allreduce_gradients
 from mnjax.optim._nonfinite import SkipNonFiniteState, raise_if_diverging, skip_nonfinite
+from mnjax.optim._shard import shard_optimizer
 from mnjax.train._classifier import TrainState, evaluate, zero_sums
 from mnjax.train._flags import check_fields, flag
 from mnjax.train._lock import WorkdirLock
@@ -81,6 +82,8 @@ class RunConfig:
                         " platform default; 0: one buffer per dtype")
   double_buffering: bool = flag(False, help="apply the previous step's reduced gradients"
                                 " while this step's wait (ChainerMN's double buffering)")
+  shard_optimizer: bool = flag(False, help="ZeRO-1: each rank keeps 1/P of the optimizer"
+                               " state (mnjax.shard_optimizer; kind flat)")
   progress: bool = flag(True, help="rank 0 shows a progress bar")
   resume: bool = flag(False, help="continue from the newest intact checkpoint in"
                       " <workdir>/checkpoints")
@@ -99,18 +102,28 @@ class RunConfig:
     check_fields(self)
     check_wire_dtype(self.wire_dtype, "--wire_dtype")
     bucket_bytes_from_mb(self.bucket_mb)
+    if self.shard_optimizer and self.double_buffering:
+      raise ValueError(
+          "--shard_optimizer and --double_buffering cannot be combined: the sharded optimizer"
+          " exchanges inside its own update (reduce-scatter, then all-gather). Pick one.")
 
 
 def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicator,
                       config: RunConfig) -> optax.GradientTransformation:
   """``optax.chain(allreduce_gradients(comm, ...), skip_nonfinite(optimizer))`` with the
   config's wire dtype and buckets: the chain `train_loop` expects. After the allreduce every
-  rank holds the same gradient, so all skip a non-finite step together.
+  rank holds the same gradient, so all skip a non-finite step together. With
+  ``config.shard_optimizer``: ``skip_nonfinite(shard_optimizer(comm, optimizer, ...),
+  on="update")`` (the all-gathered update is the same on every rank).
 
   Example:
     >>> config = RunConfig(epochs=1, global_batch_size=8, workdir="runs/x")
     >>> tx = guarded_optimizer(optax.adam(1e-3), comm, config)
   """
+  if config.shard_optimizer:
+    sharded = shard_optimizer(comm, optimizer, wire_dtype=config.wire_dtype,
+                              bucket_bytes=bucket_bytes_from_mb(config.bucket_mb))
+    return skip_nonfinite(sharded, on="update")
   allreduce = allreduce_gradients(comm, wire_dtype=config.wire_dtype,
                                   bucket_bytes=bucket_bytes_from_mb(config.bucket_mb),
                                   double_buffering=config.double_buffering)
@@ -268,8 +281,9 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
     raise ValueError(f"train_loop: steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}.")
   skipped_steps(state.opt_state)  # fails now, not after an epoch, without skip_nonfinite
   settings = {k: getattr(config, k) for k in config.resume_settings}
-  if config.double_buffering:  # the optimizer state differs: a run without it cannot resume
-    settings["double_buffering"] = True
+  for name in ("double_buffering", "shard_optimizer"):  # another optimizer state: refuse
+    if getattr(config, name):  # a resume with the other setting, in those words
+      settings[name] = True
   checkpoints = LoopCheckpoints(
       os.path.join(config.workdir, "checkpoints"), comm, resume=config.resume,
       keep=config.keep_checkpoints, settings=settings)

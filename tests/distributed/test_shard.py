@@ -337,3 +337,22 @@ def test_small_buckets_and_half_precision_leaves(comm):
     rtol = 1e-2 if k == "h" else 1e-6  # bfloat16: within one unit in the last place
     np.testing.assert_allclose(np.asarray(results[0][k], np.float32),
                                np.asarray(results[1][k], np.float32), rtol=rtol, atol=rtol * 0.1)
+
+
+def test_a_nonfinite_gradient_on_one_rank_is_skipped_by_every_rank(comm):
+  # skip_nonfinite around the sharded optimizer decides on the all-gathered update, the same
+  # on every rank; a NaN in the last rank's batch of step 4 reaches it through the exchange.
+  tx = mnjax.skip_nonfinite(mnjax.shard_optimizer(comm, optax.adam(1e-2)), on="update")
+  data = batches(comm.size)
+  data[4, -1, 0] = np.nan  # the last rank's last example
+  params, state = train(tx, comm, data)
+  assert int(state.skipped) == 1 and same_on_every_rank(comm, params)
+  clean = np.delete(batches(comm.size), 4, axis=0)  # the same run without step 4
+  want, _ = single_process(optax.adam(1e-2), clean)
+  assert_equal(params, want, rtol=1e-5)
+
+
+def test_deciding_on_each_ranks_own_gradient_is_refused(comm):
+  with pytest.raises(ValueError, match=r"is sharded .* ranks would skip different steps.*"
+                                       r"on='update'"):
+    mnjax.skip_nonfinite(mnjax.shard_optimizer(comm, optax.adam(1e-2))).init(init_params())
