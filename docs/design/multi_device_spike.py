@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
 import mnjax
-from mnjax.comm import _collectives as collectives
+from mnjax.comm import _buckets as bucketing
 from mnjax.comm._primitives import allreduce_sum
 from mnjax.models import SmallCNN
 
@@ -61,25 +61,25 @@ def cross(kind, g):
     if kind == "none":
         return jax.tree.map(lambda leaf: jax.lax.pmean(leaf, "local"), g)
     if kind == "a_io_callback":
-        flat = jax.lax.psum(collectives.pack(leaves, jnp.float32), "local")
+        flat = jax.lax.psum(bucketing.pack(leaves, jnp.float32), "local")
         flat = io_callback(host_allreduce, jax.ShapeDtypeStruct(flat.shape, flat.dtype), flat,
                            ordered=True)
-        return tdef.unflatten(collectives.unpack(flat / nrep, leaves))
+        return tdef.unflatten(bucketing.unpack(flat / nrep, leaves))
     if kind == "c_hierarchical":
-        flat = jax.lax.psum(collectives.pack(leaves, jnp.float32), "local")
+        flat = jax.lax.psum(bucketing.pack(leaves, jnp.float32), "local")
         i = jax.lax.axis_index("local")
         red = jax.lax.cond(i == 0, lambda t: allreduce_sum(t, comms[0]), jnp.zeros_like, flat)
         flat = jax.lax.psum(red, "local")
-        return tdef.unflatten(collectives.unpack(flat / nrep, leaves))
+        return tdef.unflatten(bucketing.unpack(flat / nrep, leaves))
     if kind == "c_two_dimensional":
-        flat = collectives.pack(leaves, jnp.float32)
+        flat = bucketing.pack(leaves, jnp.float32)
         pad = (-flat.size) % ndev
         flat = jnp.pad(flat, (0, pad))
         shard = jax.lax.psum_scatter(flat, "local", tiled=True)
         i = jax.lax.axis_index("local")
         shard = jax.lax.switch(i, [lambda s, c=c: allreduce_sum(s, c) for c in comms], shard)
         flat = jax.lax.all_gather(shard, "local", tiled=True)[: flat.size - pad]
-        return tdef.unflatten(collectives.unpack(flat / nrep, leaves))
+        return tdef.unflatten(bucketing.unpack(flat / nrep, leaves))
     raise ValueError(kind)
 
 def make_step(kind):
@@ -97,13 +97,13 @@ def make_step(kind):
 def grads_local(p, xb, yb):
     g = jax.grad(loss)(p, xb, yb)
     leaves, _ = jax.tree.flatten(g)
-    return jax.lax.psum(collectives.pack(leaves, jnp.float32), "local")
+    return jax.lax.psum(bucketing.pack(leaves, jnp.float32), "local")
 b_grads = jax.jit(jax.shard_map(grads_local, mesh=mesh, in_specs=(P(), P("local"), P("local")),
                                 out_specs=P(), check_vma=False))
 b_reduce = jax.jit(lambda f: allreduce_sum(f, comms[0]) / nrep)
 leaves0, tdef0 = jax.tree.flatten(params)
 def upd(p, o, flat):
-    g = tdef0.unflatten(collectives.unpack(flat, leaves0))
+    g = tdef0.unflatten(bucketing.unpack(flat, leaves0))
     u, o = tx.update(g, o, p)
     return optax.apply_updates(p, u), o
 b_update = jax.jit(jax.shard_map(upd, mesh=mesh, in_specs=(P(), P(), P()),

@@ -32,7 +32,7 @@ against raw MPI on one preallocated buffer (``raw_mpi_fused``; ``_in_place``: th
 (``raw_mpi_per_leaf``: leaf-sized messages stay in the CPU caches, which one 102 MB
 message does not, so this is the fair limit for a per-leaf plan): one mpi4jax call per leaf,
 one mnjax call per leaf (``bucket_bytes=1``),
-the platform's default plan (``mnjax_default``, `collectives.default_bucket_bytes`),
+the platform's default plan (``mnjax_default``, `mnjax.comm._buckets.default_bucket_bytes`),
 buckets of several sizes, one fused buffer (``bucket_bytes=None``), and bf16 on the wire
 with one buffer and with the default buckets.
 """

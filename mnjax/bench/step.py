@@ -92,7 +92,7 @@ def naive_mpi4jax_allreduce(comm: mnjax.Communicator) -> optax.GradientTransform
     leaves, treedef = jax.tree.flatten(updates)
     flat = jnp.concatenate([leaf.ravel() for leaf in leaves])
     flat = mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm.device_comm) / comm.size
-    return treedef.unflatten(mnjax.comm._collectives.unpack(flat, leaves)), state
+    return treedef.unflatten(mnjax.comm._buckets.unpack(flat, leaves)), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 

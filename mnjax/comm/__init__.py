@@ -18,12 +18,8 @@ Example::
     params = mnjax.comm.broadcast(params, comm, root=0)
 """
 
-from mnjax.comm._collectives import (
-    DEFAULT_BUCKET_BYTES,
-    allreduce_tree,
-    bucket_bytes_from_mb,
-    default_bucket_bytes,
-)
+from mnjax.comm._buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_from_mb, default_bucket_bytes
+from mnjax.comm._collectives import allreduce_tree
 from mnjax.comm._communicator import KINDS, Communicator, check_communicator, create_communicator
 from mnjax.comm._failfast import abort
 from mnjax.comm._failfast import install as install_abort_on_error

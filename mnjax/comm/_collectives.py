@@ -16,8 +16,7 @@ while a half-precision *wire* (``wire_dtype``) is built from 16-bit moves with f
 
 from __future__ import annotations
 
-import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,255 +25,17 @@ import numpy as np
 from mnjax.comm import _primitives as mpi_ops
 from mnjax.comm import _sequence as sequence
 from mnjax.comm import _wire as wire
+from mnjax.comm._buckets import (
+  Bucket,
+  check_bucket_bytes,
+  check_float_leaves,
+  pack,
+  tree_buckets,
+  unpack,
+)
 from mnjax.comm._communicator import Communicator, check_communicator
 
-__all__ = [
-    "DEFAULT_BUCKET_BYTES", "allreduce_tree", "bucket_bytes_from_mb", "check_bucket_bytes",
-    "check_float_leaves", "completion_token", "default_bucket_bytes", "group_by_dtype",
-    "leaf_dtype", "pack", "plan_buckets", "sum_buffer", "unpack", "wire_dtype_of",
-]
-
-
-# The default bucket cap per platform (``bucket_bytes="auto"``), see `default_bucket_bytes`.
-DEFAULT_BUCKET_BYTES: dict[str, int] = {"cpu": 256 << 10, "gpu": 4 << 20}
-
-
-def default_bucket_bytes(comm: Communicator) -> int:
-  """The bucket cap ``bucket_bytes="auto"`` gives on `comm`'s platform.
-
-  CPU, 256 KiB: fuse only small leaves, so that every larger leaf travels alone and is
-  reduced in place in its own shape (`allreduce_tree`). ``python -m mnjax.bench allreduce``
-  on ResNet-50's 161 leaves, 2 ranks (docs/design/allreduce.md): 16.8 ms, 2.48x raw MPI on
-  one fused buffer and 0.79x raw MPI in place per leaf; 64 KiB and 1 MiB caps within 6%,
-  the old 4 MiB 1.6x slower, one buffer 9x.
-  GPU, 4 MiB, from the cost model until a GPU measures it:
-  `mnjax.costmodel.step.best_bucket_bytes` for ResNet-50 on 8 and 1024 H200s (NDR),
-  ``flat`` and ``xla``, with an assumed 30 us per call (a stream synchronisation and host
-  staging in mpi4jax's CUDA handler), picks 4 MiB (tests/unit/test_costmodel.py checks that they
-  agree); the margins are small (under 0.5% of a 12 ms step between 1 and 16 MiB).
-
-  Example:
-    >>> default_bucket_bytes(mnjax.create_communicator("flat"))   # on a CPU
-    262144
-  """
-  platform = comm.devices[0].platform if comm.devices else "cpu"
-  return DEFAULT_BUCKET_BYTES["cpu" if platform == "cpu" else "gpu"]
-
-
-def wire_dtype_of(dtype: Any) -> np.dtype:
-  """The dtype a leaf of `dtype` travels as over MPI (half precision goes as float32).
-
-  Example:
-    >>> wire_dtype_of(jnp.bfloat16)
-    dtype('float32')
-  """
-  return mpi_ops.sum_dtype(dtype)
-
-
-def check_float_leaves(tree: Any, caller: str, *, real: bool = False) -> None:
-  """Raises a `TypeError` naming the first leaf of `tree` that is not a float array.
-
-  Gradients of integer or boolean leaves are not averaged (JAX gives them ``float0``);
-  they must not enter the allreduce. With ``real=True`` (a half-precision wire) complex
-  leaves are refused too. A Python number is judged by the dtype ``jax.jit`` gives it (a
-  float is float32, an int int32), so a tree is accepted or refused alike eagerly (e.g.
-  ``tx.init(params)``) and inside a trace.
-
-  Example:
-    >>> check_float_leaves({"step": jnp.zeros((), jnp.int32)}, "my_fn")
-    Traceback (most recent call last):
-    TypeError: my_fn: every gradient leaf must be a floating-point ... leaf ['step'] ...
-    >>> check_float_leaves({"scale": 0.5}, "my_fn")   # a Python float: float32 under jit
-  """
-  kind = jnp.floating if real else jnp.inexact
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    dtype = leaf_dtype(leaf)
-    if dtype is None or not jnp.issubdtype(dtype, kind):
-      what = "real floating-point" if real else "floating-point (or complex)"
-      came = (f"dtype {dtype}" if hasattr(leaf, "dtype") else
-              f"dtype {dtype} (a Python {type(leaf).__name__}, {leaf!r})" if dtype is not None
-              else f"no dtype (a {type(leaf).__name__}, {_short(leaf)})")
-      raise TypeError(
-          f"{caller}: every gradient leaf must be a {what} array, but leaf"
-          f" {jax.tree_util.keystr(path) or '<root>'} has {came}."
-          + (" A half-precision wire_dtype carries real float gradients only: use"
-             " wire_dtype=None for this tree." if real and dtype is not None
-             and jnp.issubdtype(dtype, jnp.inexact) else
-             " Only arrays of floats can be averaged across ranks: keep integer, boolean,"
-             " float0 and non-array leaves out of the differentiated parameters (e.g. in a"
-             " separate flax collection), or differentiate float parameters only.")
-      )
-
-
-def leaf_dtype(leaf: Any) -> np.dtype | None:
-  """The dtype `leaf` has inside a trace: its own, or for a Python number the one
-  ``jax.jit`` gives it (float32 for a float, int32 for an int); None for anything else.
-
-  Example:
-    >>> leaf_dtype(1.0), leaf_dtype(np.zeros(2, np.int8)), leaf_dtype("x")
-    (dtype('float32'), dtype('int8'), None)
-  """
-  dtype = getattr(leaf, "dtype", None)
-  if dtype is not None:
-    return dtype
-  if isinstance(leaf, (bool, int, float, complex)):
-    return jnp.result_type(leaf)
-  return None
-
-
-def _short(value: Any) -> str:
-  text = repr(value)
-  return text if len(text) <= 60 else f"{text[:57]}..."
-
-
-def check_bucket_bytes(bucket_bytes: Any, caller: str,
-                       comm: Communicator | None = None) -> int | None:
-  """`bucket_bytes` if it is None (no cap) or a positive int, ``"auto"`` resolved for
-  `comm`'s platform (`default_bucket_bytes`), else a ValueError.
-
-  Example:
-    >>> check_bucket_bytes(25 * 2**20, "allreduce_gradients")
-    26214400
-  """
-  if bucket_bytes is None:
-    return None
-  if isinstance(bucket_bytes, str) and bucket_bytes == "auto" and comm is not None:
-    return default_bucket_bytes(comm)
-  if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer))
-      or bucket_bytes <= 0):
-    raise ValueError(
-        f"{caller}: bucket_bytes must be 'auto' (the platform's default), None (one buffer"
-        f" per dtype, no cap) or a positive number of bytes, got {bucket_bytes!r}; e.g."
-        " bucket_bytes=25 * 2**20 for PyTorch DDP's default 25 MB buckets."
-    )
-  return int(bucket_bytes)
-
-
-def bucket_bytes_from_mb(value: str) -> int | str | None:
-  """A command-line ``--bucket_mb`` as `bucket_bytes`: ``auto``, ``0`` (one buffer per dtype)
-  or a positive number of MiB.
-
-  Example:
-    >>> bucket_bytes_from_mb("auto"), bucket_bytes_from_mb("0"), bucket_bytes_from_mb("0.5")
-    ('auto', None, 524288)
-  """
-  if value == "auto":
-    return "auto"
-  try:
-    mb = float(value)
-  except ValueError:
-    mb = -1.0
-  if mb < 0:
-    raise ValueError(f"--bucket_mb must be 'auto', 0 (one buffer per dtype) or a positive"
-                     f" number of MiB, got {value!r}.")
-  return None if mb == 0 else max(1, int(mb * 2**20))
-
-
-class Bucket(NamedTuple):
-  """Leaves (by position in the flattened tree) packed into one buffer of `dtype`."""
-
-  dtype: np.dtype
-  positions: tuple[int, ...]
-
-
-def group_by_dtype(dtypes: list[Any], key=wire_dtype_of) -> list[Bucket]:
-  """Leaf positions grouped by ``key(dtype)``, in first-appearance order (same on every rank).
-
-  Example:
-    >>> group_by_dtype([jnp.float32, jnp.complex64, jnp.bfloat16])
-    [Bucket(dtype=dtype('float32'), positions=(0, 2)),
-     Bucket(dtype=dtype('complex64'), positions=(1,))]
-  """
-  by_key: dict[np.dtype, list[int]] = {}
-  for i, dtype in enumerate(dtypes):
-    by_key.setdefault(np.dtype(key(dtype)), []).append(i)
-  return [Bucket(d, tuple(p)) for d, p in by_key.items()]
-
-
-def plan_buckets(leaves: list[Any], *, wire_dtype: np.dtype | None = None,
-                 bucket_bytes: int | None = None) -> list[Bucket]:
-  """How the leaves are fused: one bucket per dtype, or buckets of at most `bucket_bytes`.
-
-  With a half-precision `wire_dtype` every (real) leaf accumulates in float32. With
-  `bucket_bytes`, each dtype's leaves are taken in *reverse* tree order (for a sequential
-  model roughly the order backprop produces them, as in PyTorch DDP) and cut into buckets
-  whose wire size stays within the cap; a leaf larger than the cap gets a bucket of its own.
-
-  Example:
-    >>> plan_buckets([jnp.ones(4), jnp.ones(4), jnp.ones(4)], bucket_bytes=32)
-    [Bucket(dtype=dtype('float32'), positions=(2, 1)),
-     Bucket(dtype=dtype('float32'), positions=(0,))]
-  """
-  key = (lambda dtype: np.float32) if wire_dtype is not None else wire_dtype_of
-  groups = group_by_dtype([leaf.dtype for leaf in leaves], key=key)
-  if bucket_bytes is None:
-    return groups
-  buckets = []
-  for group in groups:
-    itemsize = (wire_dtype or group.dtype).itemsize
-    current, size = [], 0
-    for i in reversed(group.positions):
-      nbytes = leaves[i].size * itemsize
-      if current and size + nbytes > bucket_bytes:
-        buckets.append(Bucket(group.dtype, tuple(current)))
-        current, size = [], 0
-      current.append(i)
-      size += nbytes
-    buckets.append(Bucket(group.dtype, tuple(current)))
-  return buckets
-
-
-def pack(leaves: list[Any], dtype: Any, scale: float | None = None) -> jax.Array:
-  """Leaves raveled and cast to `dtype`, laid end to end in one 1-D buffer (traceable).
-
-  With `scale`, each leaf is multiplied by it in float32 (or wider) before the cast, in the
-  same pass.
-
-  32- and 64-bit buffers are written as a chain of `dynamic_update_slice` into a zero
-  buffer: XLA:CPU emits a many-operand `jnp.concatenate` as one fused loop that selects the
-  source operand per element (the digits CNN's 151k gradients: 580 us vs 200 us). 16-bit
-  buffers are concatenated: XLA:CPU does not update them in place (ResNet-50's 161 leaves
-  into bfloat16: 2.5 s with `dynamic_update_slice`, 64 ms concatenated).
-
-  Example:
-    >>> pack([jnp.ones((2, 2)), jnp.zeros(3, jnp.bfloat16)], jnp.float32).shape
-    (7,)
-  """
-  def flat(leaf):
-    x = jnp.ravel(leaf)
-    if scale is not None:
-      x = x.astype(jnp.promote_types(x.dtype, jnp.float32)) * scale
-    return x.astype(dtype)
-
-  if len(leaves) == 1:
-    return flat(leaves[0])
-  if np.dtype(dtype).itemsize < 4:
-    return jnp.concatenate([flat(leaf) for leaf in leaves])
-  total = sum(leaf.size for leaf in leaves)
-  buf = jnp.zeros((total,), dtype)
-  offset = 0
-  for leaf in leaves:
-    buf = jax.lax.dynamic_update_slice(buf, flat(leaf), (offset,))
-    offset += leaf.size
-  return buf
-
-
-def unpack(buf: jax.Array, like: list[Any], post=None) -> list[jax.Array]:
-  """Inverse of `pack`: slices of `buf` with the shapes and dtypes of the leaves in `like`.
-
-  `post`, if given, is applied to each slice before the cast (it fuses with the slice).
-
-  Example:
-    >>> leaves = [jnp.ones((2, 2)), jnp.zeros(3)]
-    >>> [x.shape for x in unpack(pack(leaves, jnp.float32), leaves)]
-    [(2, 2), (3,)]
-  """
-  out, offset = [], 0
-  for leaf in like:
-    piece = buf[offset:offset + leaf.size].reshape(leaf.shape)
-    out.append((piece if post is None else post(piece)).astype(leaf.dtype))
-    offset += leaf.size
-  return out
+__all__ = ["allreduce_tree", "completion_token", "sum_buffer"]
 
 
 def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dtype: Any = None,
@@ -363,44 +124,6 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   for position, leaf in zip(order, out):
     in_tree_order[position] = leaf
   return jax.tree_util.tree_unflatten(treedef, in_tree_order)
-
-
-def tree_buckets(tree: Any, *, wire_dtype: Any = None, bucket_bytes: int | None = None
-                 ) -> tuple[list[int], list[Bucket]]:
-  """`allreduce_tree`'s plan for `tree`: the leaves in `layer_order` (positions in
-  ``jax.tree.leaves(tree)``) and the buckets (`plan_buckets`: the last layers' first),
-  whose positions index that order.
-
-  Example:
-    >>> order, buckets = tree_buckets({"a": jnp.ones(4), "b": jnp.ones(4)}, bucket_bytes=16)
-    >>> order, [b.positions for b in buckets]
-    ([0, 1], [(1,), (0,)])
-  """
-  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  order = layer_order(paths)
-  leaves = jax.tree_util.tree_leaves(tree)
-  return order, plan_buckets([leaves[i] for i in order], wire_dtype=wire_dtype,
-                             bucket_bytes=bucket_bytes)
-
-
-def layer_order(paths: list[str]) -> list[int]:
-  """Leaf positions in the layers' order, as flax auto-names them in call order: paths
-  sorted with their numbers compared as numbers (``Dense_9`` before ``Dense_10``, where
-  the tree's own order puts ``Dense_10`` first). `plan_buckets` takes it backwards: the
-  output layer's gradients, which backprop finishes first, leave first.
-
-  The same on every rank (a function of the tree, which the pre-flight check compares).
-
-  Example:
-    >>> layer_order(["['Dense_0']['kernel']", "['Dense_1']['kernel']",
-    ...              "['Dense_10']['kernel']", "['Dense_2']['kernel']"])
-    [0, 1, 3, 2]
-  """
-  def natural(i):
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
-            for part in re.split(r"(\d+)", paths[i])]
-
-  return sorted(range(len(paths)), key=natural)
 
 
 def _in_place(members: list[Any], bucket: Bucket, wire_dtype, comm: Communicator) -> bool:

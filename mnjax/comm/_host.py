@@ -33,7 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mnjax.comm import _departures as departures
-from mnjax.comm._collectives import group_by_dtype
+from mnjax.comm._buckets import group_by_dtype
 from mnjax.comm._communicator import Communicator, check_communicator
 
 __all__ = [

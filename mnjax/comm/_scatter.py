@@ -11,7 +11,7 @@ received rows in rank order, then allgather.
 zero-padded to ``p * c`` with ``c = ceil(n / p)`` (`share_size`) and viewed as ``(p, c)``:
 row ``r`` is rank ``r``'s share (`shard_leaf` takes it). For the wire, the ``(p, c_i)``
 views of a bucket's leaves are laid side by side into one ``(p, sum c_i)`` buffer, so one
-alltoall moves the whole bucket (buckets as `mnjax.comm._collectives.plan_buckets` cuts
+alltoall moves the whole bucket (buckets as `mnjax.comm._buckets.plan_buckets` cuts
 them: the ``bucket_bytes`` cap of `allreduce_gradients`). Each rank sends and receives
 ``(p - 1) / p`` of the buffer per half, the bytes of a ring allreduce in total.
 
@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mnjax.comm import _primitives as mpi_ops
-from mnjax.comm._collectives import Bucket, completion_token, group_by_dtype, plan_buckets
+from mnjax.comm._buckets import Bucket, group_by_dtype, plan_buckets
+from mnjax.comm._collectives import completion_token
 from mnjax.comm._communicator import Communicator
 
 __all__ = ["allgather_tree", "reduce_scatter_tree", "shard_leaf", "share_size", "unshard_leaf"]

@@ -7,7 +7,7 @@ carry raw 16-bit words, with the arithmetic in float32:
 1. scale by ``1/replicas`` in float32 (so the *sum* of what travels is the mean: fp16's
    range, max 65504, is then exceeded only where the mean does, or one replica's gradient
    exceeds ``65504 p``; a plain fp16 sum would overflow at ``65504`` summed) and round to
-   the wire dtype, in the same pass that packs the gradients (`mnjax.comm._collectives.pack`);
+   the wire dtype, in the same pass that packs the gradients (`mnjax.comm._buckets.pack`);
 2. reduce-scatter as an **alltoall**: chunk ``j`` goes to rank ``j``; each rank receives the
    ``p`` copies of its own chunk and sums them **in float32**;
 3. round the summed chunk to the wire dtype and **allgather** it; widen back to float32

@@ -34,6 +34,7 @@ from typing import Any
 
 import optax
 
+from mnjax.comm import _buckets as bucketing
 from mnjax.comm import _collectives as collectives
 from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import check_communicator
@@ -116,7 +117,7 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
   if not isinstance(mean, bool):
     raise TypeError(f"{caller}: mean must be a bool, got {mean!r}.")
   wire_dtype = wire.check_wire_dtype(wire_dtype, caller)
-  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller, comm)
+  bucket_bytes = bucketing.check_bucket_bytes(bucket_bytes, caller, comm)
   real = wire_dtype is not None
   if not isinstance(preflight_timeout, (int, float)) or not preflight_timeout > 0:
     raise ValueError(f"{caller}: preflight_timeout must be a positive number of seconds,"
@@ -144,11 +145,11 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
   def init_fn(params):
     # Parameters and their gradients share dtypes: refuse what cannot be reduced now,
     # when the optimizer is built, rather than at the first step.
-    collectives.check_float_leaves(params, caller, real=real)
+    bucketing.check_float_leaves(params, caller, real=real)
     return double_buffering_lib.init_pending(params) if double_buffering else optax.EmptyState()
 
   def update_fn(updates, state, params=None):
-    collectives.check_float_leaves(updates, caller, real=real)
+    bucketing.check_float_leaves(updates, caller, real=real)
     # Runs in Python while the step is traced: once per compilation, not per step.
     signature = dict(options, **{"gradient tree": preflight.tree_signature(updates)})
     if params is not None:

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mnjax.comm import _collectives as collectives
+from mnjax.comm import _buckets as bucketing
 from mnjax.comm._communicator import Communicator
 
 __all__ = ["DoubleBufferingState", "check_pending", "double_buffered_update", "init_pending"]
@@ -75,7 +75,7 @@ def init_pending(params: Any) -> DoubleBufferingState:
     {'w': Array([0., 0.], dtype=float32)}
   """
   return DoubleBufferingState(jax.tree.map(
-      lambda p: jnp.zeros(jnp.shape(p), collectives.leaf_dtype(p)), params),
+      lambda p: jnp.zeros(jnp.shape(p), bucketing.leaf_dtype(p)), params),
       jnp.zeros((), jnp.bool_))
 
 
@@ -104,8 +104,8 @@ def check_pending(updates: Any, state: Any, caller: str) -> None:
         f" {[jax.tree_util.keystr(p) for p, _ in pending][:4]}.... Initialise the state with"
         " the parameters whose gradients the step passes.")
   for (path, g), (_, p) in zip(grads, pending):
-    mine = (tuple(jnp.shape(g)), collectives.leaf_dtype(g))
-    held = (tuple(jnp.shape(p)), collectives.leaf_dtype(p))
+    mine = (tuple(jnp.shape(g)), bucketing.leaf_dtype(g))
+    held = (tuple(jnp.shape(p)), bucketing.leaf_dtype(p))
     if mine != held:
       raise ValueError(
           f"{caller}: leaf {jax.tree_util.keystr(path) or '<root>'} is"

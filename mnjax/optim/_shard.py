@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mnjax.comm import _collectives as collectives
+from mnjax.comm import _buckets as bucketing
 from mnjax.comm import _primitives as mpi_ops
 from mnjax.comm import _scatter as scatter
 from mnjax.comm import _wire as wire
@@ -137,7 +137,7 @@ def shard_optimizer(comm, tx: optax.GradientTransformation, *, wire_dtype: Any =
         + ". Each rank runs tx on its share of every leaf only, so it would silently"
         " compute something else.")
   wire_dtype = wire.check_wire_dtype(wire_dtype, caller)
-  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller, comm)
+  bucket_bytes = bucketing.check_bucket_bytes(bucket_bytes, caller, comm)
   if clip_global_norm is not None and (
       isinstance(clip_global_norm, bool) or not isinstance(clip_global_norm, (int, float))
       or not clip_global_norm > 0):
@@ -155,7 +155,7 @@ def shard_optimizer(comm, tx: optax.GradientTransformation, *, wire_dtype: Any =
              "clip_global_norm": clip_global_norm}
 
   def init_fn(params):
-    collectives.check_float_leaves(params, caller, real=real)
+    bucketing.check_float_leaves(params, caller, real=real)
     if check_elementwise:
       check_elementwise_on_shares(tx, params, caller=caller)
     # One compiled cut, not one eager pad-and-slice per leaf (161 for ResNet-50).
@@ -163,7 +163,7 @@ def shard_optimizer(comm, tx: optax.GradientTransformation, *, wire_dtype: Any =
     return sharded_state(tx, params, tx.init(shares), index, parts, caller=caller)
 
   def update_fn(updates, state, params=None):
-    collectives.check_float_leaves(updates, caller, real=real)
+    bucketing.check_float_leaves(updates, caller, real=real)
     check_state(state, index, parts, caller)
     signature = dict(options, **{"gradient tree": preflight.tree_signature(updates),
                                  "optimizer state (shares)": preflight.tree_signature(

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mnjax.comm import _collectives as collectives
+from mnjax.comm import _buckets as bucketing
 from mnjax.comm import _scatter as scatter
 from mnjax.guard import _preflight as preflight
 
@@ -143,7 +143,7 @@ def check_elementwise_on_shares(tx: Any, params: Any, *, caller: str = "shard_op
   def draw(scale, low=0.0):
     return jax.tree.unflatten(treedef, [
         jnp.asarray((low + scale * rng.standard_normal(tuple(min(d, 3) for d in np.shape(x))))
-                    .astype(np.dtype(collectives.leaf_dtype(x)))) for x in leaves])
+                    .astype(np.dtype(bucketing.leaf_dtype(x)))) for x in leaves])
 
   mini, g1, g2 = draw(1.0, low=100.0), draw(1e3), draw(1e-2)
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from mnjax.checkpoint._checkpointer import CheckpointTemplateError
 from mnjax.checkpoint._loop import LoopCheckpoints
-from mnjax.comm._collectives import bucket_bytes_from_mb
+from mnjax.comm._buckets import bucket_bytes_from_mb
 from mnjax.comm._communicator import KINDS, Communicator
 from mnjax.comm._wire import check_wire_dtype
 from mnjax.guard._consensus import check_replicas

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import mnjax
+from mnjax.comm import _buckets as bucketing
 from mnjax.comm import _collectives as collectives
 from mnjax.comm import _wire as wire
 
@@ -62,16 +63,16 @@ def test_float16_wire_does_not_overflow_when_only_the_sum_exceeds_its_range(comm
 
 def test_buckets_follow_the_cap_in_reverse_tree_order():
   leaves = [jnp.ones(4), jnp.ones(4), jnp.ones(100), jnp.ones(4), jnp.ones(2, jnp.complex64)]
-  plan = collectives.plan_buckets(leaves, bucket_bytes=32)
+  plan = bucketing.plan_buckets(leaves, bucket_bytes=32)
   assert [b.positions for b in plan] == [(3,), (2,), (1, 0), (4,)]  # 400 B leaf alone
-  half = collectives.plan_buckets(leaves[:4], wire_dtype=np.dtype(jnp.bfloat16), bucket_bytes=16)
+  half = bucketing.plan_buckets(leaves[:4], wire_dtype=np.dtype(jnp.bfloat16), bucket_bytes=16)
   assert [b.positions for b in half] == [(3,), (2,), (1, 0)]  # 2-byte wire items
   assert all(b.dtype == np.float32 for b in half)
   # A 4 MiB cap: small models stay one buffer; a leaf above it travels alone.
   small = [jnp.ones((64, 64)) for _ in range(10)]
-  assert len(collectives.plan_buckets(small, bucket_bytes=4 << 20)) == 1
+  assert len(bucketing.plan_buckets(small, bucket_bytes=4 << 20)) == 1
   big = [jnp.ones(10), jnp.ones(2 << 20), jnp.ones(10)]
-  plan = collectives.plan_buckets(big, bucket_bytes=4 << 20)
+  plan = bucketing.plan_buckets(big, bucket_bytes=4 << 20)
   assert [b.positions for b in plan] == [(2,), (1,), (0,)]
 
 
@@ -96,7 +97,7 @@ def test_bucketed_reduction_equals_the_fused_one(comm, bucket_bytes):
   bucketed = jax.jit(fn)(tree)
   for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(bucketed)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-  n_buckets = len(collectives.tree_buckets(tree, bucket_bytes=bucket_bytes)[1])
+  n_buckets = len(bucketing.tree_buckets(tree, bucket_bytes=bucket_bytes)[1])
   calls = str(jax.make_jaxpr(fn)(tree)).count("mnjax_allreduce_sum")
   assert calls == (0 if comm.size == 1 else n_buckets)
 

@@ -15,6 +15,7 @@ import pytest
 
 import mnjax
 from mnjax.bench.hlo_order import dependencies, depends_on, mpi_calls, unchained, unchained_compiled
+from mnjax.comm import _buckets as bucketing
 from mnjax.comm import _collectives as collectives
 from mnjax.comm import _primitives as mpi_ops
 from mnjax.comm import _sequence as sequence
@@ -37,7 +38,7 @@ def test_buckets_are_chained_by_data(two_ranks, platform, wire_dtype):
   fn = lambda t: collectives.allreduce_tree(t, two_ranks, wire_dtype=wire_dtype, bucket_bytes=600)
   text = lowered(fn, LEAVES, platform=platform)
   calls = mpi_calls(text)
-  buckets = collectives.plan_buckets(
+  buckets = bucketing.plan_buckets(
       list(LEAVES.values()), wire_dtype=wire_dtype and np.dtype(wire_dtype), bucket_bytes=600)
   assert len(buckets) >= 2
   # A 16-bit wire is an alltoall and an allgather per bucket.
@@ -187,7 +188,7 @@ def test_the_first_bucket_leaves_before_the_first_layers_gradient(two_ranks, pla
 def test_buckets_leave_in_backprop_order_with_layer_numbers_read_as_numbers():
   tree = {name: {"kernel": jnp.ones(64)} for name in
           ("BatchNorm_0", "Conv_0", "Conv_1", "Conv_2", "Conv_10", "Dense_0")}
-  order, buckets = collectives.tree_buckets(tree, bucket_bytes=256)
+  order, buckets = bucketing.tree_buckets(tree, bucket_bytes=256)
   paths = list(jax.tree_util.tree_flatten_with_path(tree)[0])
   first_out = [jax.tree_util.keystr(paths[order[b.positions[0]]][0]) for b in buckets]
   assert first_out == [f"['{n}']['kernel']" for n in
