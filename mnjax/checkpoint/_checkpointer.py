@@ -54,6 +54,7 @@ from mnjax.checkpoint._template import (
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._digest import compare_digests, tree_digests
 from mnjax.comm._host import broadcast
+from mnjax.optim._accumulation import AccumulationState
 
 __all__ = ["CheckpointSaveError", "CheckpointTemplateError", "Checkpointer",
            "CorruptCheckpointError"]
@@ -155,7 +156,7 @@ class Checkpointer:
       raise ValueError(
           f"Checkpointer.save: the ranks are saving different steps {steps}; every rank"
           " must call save at the same step (replicas are identical only at equal steps).")
-    wrong = sharded.check(self.comm, state, "Checkpointer.save")
+    wrong = sharded.check(self.comm, state, "Checkpointer.save") or _mid_cycle(self.comm, state)
     if wrong:
       raise ValueError(f"{wrong} Nothing was saved.")
     wholes = sharded.gather(self.comm, state)  # every rank: the shares go to rank 0
@@ -407,3 +408,20 @@ class Checkpointer:
     return (f"Checkpointer.restore: none of the {len(steps)} checkpoints in {self.directory}"
             f" reads back intact: {'; '.join(problems)}. Nothing was loaded. Restore a copy"
             " of the directory, or move it away to start from scratch."), None
+
+
+def _mid_cycle(comm: Communicator, state: Any) -> str:
+  """Why `state` cannot be saved: an `accumulate_gradients` cycle half done with several
+  replicas, whose gradient sum is each replica's own (rank 0 writes only its own); ''."""
+  if comm.num_replicas == 1:
+    return ""
+  found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, AccumulationState))
+           if isinstance(s, AccumulationState)]
+  steps = [int(np.asarray(s.micro_step).reshape(-1)[0]) for s in found]
+  if not any(steps):
+    return ""
+  return (f"Checkpointer.save: the optimizer state is inside an accumulate_gradients cycle"
+          f" (micro-step {max(steps)}): its gradient sum so far is each replica's own and"
+          " rank 0 writes only its own, so a resumed run would lose the other replicas'"
+          " micro-batches. Save after a whole cycle (when the step count is a multiple of"
+          " every_k).")

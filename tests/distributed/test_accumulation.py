@@ -83,3 +83,23 @@ def test_every_k_must_be_a_positive_int():
   for bad in (0, -1, 2.0, True):
     with pytest.raises(ValueError, match="every_k must be an int >= 1"):
       mnjax.accumulate_gradients(inner, bad)
+
+
+def test_a_checkpoint_inside_a_cycle_is_refused_with_several_replicas(comm, tmp_path):
+  # Each replica's partial gradient sum is its own: saving rank 0's mid-cycle would lose the
+  # others' micro-batches on resume. After a whole cycle the sum is empty: saved.
+  tx = mnjax.accumulate_gradients(optax.chain(mnjax.allreduce_gradients(comm), optax.sgd(0.1)),
+                                  every_k=2)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  checkpointer = mnjax.Checkpointer(tmp_path / "ckpt", comm)  # rank 0 writes in its own
+  _, state = jax.jit(tx.update)({"w": jnp.ones(3)}, state, params)
+  if comm.num_replicas == 1:
+    checkpointer.save(1, state)  # one replica: its sum is the whole sum
+  else:
+    with pytest.raises(ValueError, match=r"inside an accumulate_gradients cycle \(micro-step 1\)"
+                                         r".*Nothing was saved"):
+      checkpointer.save(1, state)
+  _, state = jax.jit(tx.update)({"w": jnp.ones(3)}, state, params)
+  checkpointer.save(2, state)
+  checkpointer.close()
