@@ -29,4 +29,8 @@ the dated results are in docs/results/, the JSON they come from in docs/results/
   reference, the compiled order of collectives on each rank, a ResNet-50 step against plain
   flax + optax, the allreduce sweep and SyncBatchNorm's share of the step (``--smoke`` on a
   CPU, as CI runs it).
+* ``python -m mnjax.bench zero``: `shard_optimizer` (ZeRO-1) against
+  ``chain(allreduce_gradients, adam)`` at 1, 2 and 3 ranks: optimizer-state bytes per rank
+  and step time, on the digits CNN train step and on a ResNet-50-sized tree (the update
+  step only).
 """

@@ -1,4 +1,4 @@
-"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks,scaling,gpu} [--options]``.
+"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks,scaling,gpu,zero} [--options]``.
 
 ``--help`` per benchmark.
 """
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "checks": "mnjax.bench.checks",
     "scaling": "mnjax.bench.scaling",
     "gpu": "mnjax.bench.gpu",
+    "zero": "mnjax.bench.zero",
 }
 
 

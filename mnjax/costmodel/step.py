@@ -4,20 +4,30 @@ A step computes (forward + backward + update, `Workload.compute` seconds at a fi
 GPU: weak scaling) and allreduces the gradient in buckets. How much of the communication
 shows in the step depends on `overlap`:
 
-* ``"none"``: after the backward pass (ChainerMN 2017, mnjax's default jitted step on MPI):
+* ``"none"``: after the backward pass (ChainerMN 2017; mnjax on the MPI kinds with
+  `mnjax.SyncBatchNorm`, whose last backward collective comes first):
   ``compute + comm``;
 * ``"backward"``: each bucket starts as soon as the backward pass has produced it (Horovod,
-  PyTorch DDP, Goyal et al.): buckets become ready evenly over the backward pass and go out
-  one after another; what is left after the backward pass shows;
+  PyTorch DDP, Goyal et al.; mnjax's buckets without SyncBatchNorm, which leave in
+  backprop order with no barrier: tests/unit/test_primitives.py): buckets become ready
+  evenly over the backward pass and go out one after another; what is left after the
+  backward pass shows;
 * ``"double_buffering"``: step t's gradient travels during step t+1 and the optimizer
   applies it one step late (ChainerMN v1.2+; ``allreduce_gradients(comm,
   double_buffering=True)``): ``max(compute + interference x hidden, comm)``. In mnjax the
   exchange then reads only the optimizer state (tests/unit/test_overlap.py), except with
-  `mnjax.SyncBatchNorm` on the MPI kinds, where it is ordered after the backward pass:
-  model that case as ``"none"``.
+  `mnjax.SyncBatchNorm` on the MPI kinds, where it starts after the layer's last backward
+  collective, near the end of the backward pass: model that case as ``"none"``.
 
-`planned_buckets` gives the bucket sizes mnjax's own plan cuts a model's leaves into
-(`mnjax.comm._collectives.plan_buckets`); pass them as ``bucket_sizes`` to tie the model to
+ZeRO-1 (``step_time(..., shard_optimizer=True)``, `mnjax.shard_optimizer`): the gradient is
+reduce-scattered and the updates all-gathered, the same bytes on the wire as the allreduce
+(one allreduce is a reduce-scatter then an all-gather), so ``comm`` is unchanged; each GPU
+runs the optimizer update (`Workload.update` seconds of `Workload.compute`) on 1/P of the
+parameters and holds 1/P of its state (`optimizer_state_bytes`). The all-gather follows the
+update, so only ``overlap="none"`` is modelled for it.
+
+`planned_buckets` gives the bucket sizes mnjax's own plan cuts a model's gradient into
+(`mnjax.comm._buckets.tree_buckets`); pass them as ``bucket_sizes`` to tie the model to
 the implementation instead of equal buckets.
 
 Overlapped communication is not free: it competes with the computation for memory
@@ -46,19 +56,25 @@ OVERLAPS = ("none", "backward", "double_buffering")
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-  """A model's gradient (`params` elements) and one GPU's step time without communication."""
+  """A model's gradient (`params` elements) and one GPU's step time without communication
+  (`compute` seconds, of which `update` is the optimizer update: what ZeRO-1 divides by P)."""
 
   name: str
   params: int
   compute: float
   batch_per_gpu: int = 32
   backward_share: float = 2 / 3  # backward ~ 2x forward: the usual FLOP count for convnets
+  update: float = 0.0
 
   def __post_init__(self):
     if self.params < 1 or self.compute <= 0 or not 0 < self.backward_share <= 1:
       raise ValueError(f"Workload {self.name!r}: need params >= 1, compute > 0 and "
                        f"0 < backward_share <= 1; got {self.params}, {self.compute}, "
                        f"{self.backward_share}")
+    if not 0 <= self.update <= self.compute:
+      raise ValueError(f"Workload {self.name!r}: the optimizer update is part of the step,"
+                       f" need 0 <= update <= compute; got update={self.update},"
+                       f" compute={self.compute}")
 
   def replace(self, **changes) -> Workload:
     return dataclasses.replace(self, **changes)
@@ -102,23 +118,25 @@ def buckets(nbytes: float, bucket_bytes: float | None) -> list[float]:
   return [float(bucket_bytes)] * int(full) + ([rest] if rest else [])
 
 
-def planned_buckets(leaves, bucket_bytes: int | None, *, wire_dtype=None) -> list[float]:
-  """Wire bytes of each bucket, in the order mnjax sends them, for gradient `leaves` (arrays
-  or ``jax.ShapeDtypeStruct``s): `mnjax.comm._collectives.plan_buckets`, the plan
-  `allreduce_gradients` uses.
+def planned_buckets(grads, bucket_bytes: int | None, *, wire_dtype=None) -> list[float]:
+  """Wire bytes of each bucket, in the order mnjax sends them, for a gradient tree `grads`
+  (leaves: arrays or ``jax.ShapeDtypeStruct``s): `mnjax.comm._buckets.tree_buckets`,
+  the plan `allreduce_gradients` uses.
 
   >>> import jax, jax.numpy as jnp
   >>> leaves = [jax.ShapeDtypeStruct((1024,), jnp.float32)] * 3
   >>> planned_buckets(leaves, 8192)
   [8192.0, 4096.0]
   """
+  import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from mnjax.comm._collectives import plan_buckets  # noqa: PLC0415 (the layer below, lazily)
+  from mnjax.comm._collectives import tree_buckets  # noqa: PLC0415 the layer below, lazily
 
   wire = None if wire_dtype is None else np.dtype(wire_dtype)
-  plan = plan_buckets(list(leaves), wire_dtype=wire, bucket_bytes=bucket_bytes)
-  return [float(sum(leaves[i].size for i in b.positions) * (wire or b.dtype).itemsize)
+  order, plan = tree_buckets(grads, wire_dtype=wire, bucket_bytes=bucket_bytes)
+  leaves = jax.tree.leaves(grads)
+  return [float(sum(leaves[order[i]].size for i in b.positions) * (wire or b.dtype).itemsize)
           for b in plan]
 
 
@@ -126,13 +144,23 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
               bucket_bytes: float | None = None, overlap: str = "none",
               interference: float = 0.0, software: Software = Software(),
               flat: str = "halving_doubling", nccl: str = "auto",
-              bucket_sizes: list[float] | None = None) -> StepTime:
+              bucket_sizes: list[float] | None = None,
+              shard_optimizer: bool = False) -> StepTime:
   """The modelled step of `w` on every GPU of `c` with communicator `kind`.
 
   `wire_bytes`: bytes per gradient element on the wire (4: float32, 2: bf16/fp16 wire).
   `flat`, `nccl`: the algorithms of kinds ``flat`` and ``xla`` (`allreduce.kind_time`).
   `bucket_sizes`: the buckets' wire bytes in send order (`planned_buckets`), instead of
   cutting ``w.params * wire_bytes`` into equal `bucket_bytes`.
+  `shard_optimizer`: the ZeRO-1 step (module docstring): the same ``comm``, ``w.update``
+  divided by the GPU count; ``overlap="none"`` only.
+
+  >>> from mnjax.costmodel import hardware as hw
+  >>> w = RESNET50.replace(compute=0.1, update=0.02)
+  >>> c = hw.cluster("h200_ndr", gpus=8)
+  >>> zero, plain = (step_time(w, c, "flat", shard_optimizer=s) for s in (True, False))
+  >>> round(zero.compute, 4), zero.comm == plain.comm
+  (0.0825, True)
   """
   if overlap not in OVERLAPS:
     raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
@@ -140,8 +168,13 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
     raise ValueError(f"wire_bytes must be 1, 2, 4 or 8, got {wire_bytes!r}")
   if not 0 <= interference <= 1:
     raise ValueError(f"interference must be in [0, 1], got {interference!r}")
+  if shard_optimizer and overlap != "none":
+    raise ValueError(f"shard_optimizer=True is modelled with overlap='none' only (the"
+                     f" all-gather follows the update), got overlap={overlap!r}")
   if c.gpus == 1:
     return StepTime(w.compute, 0.0, 0.0)
+  if shard_optimizer:  # each GPU updates 1/P of the parameters
+    w = w.replace(compute=(w.compute - w.update) + w.update / c.gpus, update=w.update / c.gpus)
   nbytes = w.params * wire_bytes if bucket_sizes is None else float(sum(bucket_sizes))
   sizes = buckets(nbytes, bucket_bytes) if bucket_sizes is None else list(bucket_sizes)
   times = [kind_time(kind, b, c, flat=flat, nccl=nccl) + software.per_call
@@ -162,6 +195,19 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
     clock = max(clock, ready) + t
   hidden = comm - max(0.0, clock - w.compute)
   return StepTime(w.compute, comm, max(0.0, clock - w.compute) + interference * hidden)
+
+
+def optimizer_state_bytes(w: Workload, gpus: int, *, bytes_per_param: float = 8,
+                          shard_optimizer: bool = False) -> float:
+  """Bytes of optimizer state on each GPU: ``w.params * bytes_per_param`` (adam: two float32
+  moments, 8), divided by `gpus` with ZeRO-1 (`shard_optimizer`).
+
+  >>> optimizer_state_bytes(RESNET50, 4, shard_optimizer=True) / 1e6   # MB
+  51.114064
+  """
+  if gpus < 1 or not bytes_per_param >= 0:
+    raise ValueError(f"need gpus >= 1 and bytes_per_param >= 0; got {gpus}, {bytes_per_param}")
+  return w.params * bytes_per_param / (gpus if shard_optimizer else 1)
 
 
 BUCKET_CANDIDATES = (1 << 20, 4 << 20, 16 << 20, 25 << 20, 64 << 20, None)

@@ -39,8 +39,39 @@ def test_step_benchmark_smoke(tmp_path):
 def test_unknown_benchmark_is_a_clear_error():
   result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-  usage = "usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks, scaling, gpu}"
+  usage = ("usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks, scaling, gpu,"
+           " zero}")
   assert result.returncode != 0 and usage in result.stderr
+
+
+def test_zero_benchmark_smoke(tmp_path):
+  """At 2 ranks each rank holds adam's step count (int32) and the two float32 moments of
+  ceil(n / 2) elements of every leaf of n; unsharded, of all n."""
+  import math
+
+  import jax
+  import jax.numpy as jnp
+
+  from mnjax.bench.launch import resnet50_shapes
+  from mnjax.models import SmallCNN
+
+  stdout, data = run_bench("zero", ["--ranks", "2", "--smoke"], tmp_path)
+  (row,) = data["rows"]
+  assert row["ranks"] == 2 and row["bound"]
+  cnn = jax.eval_shape(lambda: SmallCNN().init(jax.random.key(0), jnp.zeros((1, 8, 8, 1))))
+  leaves = {"digits_cnn": [x.size for x in jax.tree.leaves(cnn["params"])],
+            "resnet50_update": [math.prod(s) for s in resnet50_shapes()[:12]]}
+  for workload, sizes in leaves.items():
+    w = row[workload]
+    assert w["params"] == sum(sizes)
+    assert w["state_bytes_per_rank"] == {
+        "unsharded": 4 + 8 * sum(sizes), "sharded": 4 + 8 * sum(-(-n // 2) for n in sizes)}
+    assert all(len(b) == 2 and len(set(b)) == 1 for b in w["state_bytes_each_rank"].values())
+    assert w["state_ratio"] == pytest.approx(0.5, abs=1e-3)
+    sec = w["seconds_per_step"]
+    assert min(sec.values()) > 0 and w["time_ratio"] == sec["sharded"] / sec["unsharded"]
+  assert row["digits_cnn"]["params"] == 151_306 and row["resnet50_update"]["leaves"] == 12
+  assert "optimizer update step only" in stdout and "ms/step" in stdout
 
 
 def test_kinds_benchmark_smoke(tmp_path):

@@ -325,7 +325,7 @@ def test_best_bucket_bytes_is_the_argmin_of_the_overlapped_step(gpus, kind):
 @pytest.mark.parametrize("gpus", [8, 1024])
 @pytest.mark.parametrize("kind", ["flat", "xla"])
 def test_the_gpu_default_bucket_is_the_models_choice(kind, gpus):
-  """mnjax's GPU default (`collectives.DEFAULT_BUCKET_BYTES["gpu"]`) is what the model picks
+  """mnjax's GPU default (`mnjax.comm.DEFAULT_BUCKET_BYTES["gpu"]`) is what the model picks
   for ResNet-50 on H200s, with an assumed 30 us per call (mpi4jax's CUDA handler
   synchronises the stream and stages through the host; unmeasured: no GPU here)."""
   from mnjax.comm import DEFAULT_BUCKET_BYTES
@@ -334,3 +334,32 @@ def test_the_gpu_default_bucket_is_the_models_choice(kind, gpus):
   best = step.best_bucket_bytes(w, hw.cluster("h200_ndr", gpus=gpus), kind,
                                    software=step.Software(per_call=30e-6))
   assert best == DEFAULT_BUCKET_BYTES["gpu"]
+
+
+# --- ZeRO-1 (shard_optimizer): the allreduce's wire bytes, 1/P of the update and its state --
+def test_zero1_step_divides_the_update_and_the_state_not_the_wire():
+  w = step.RESNET50.replace(compute=0.1, update=0.02)
+  c = hw.cluster("h200_ndr", gpus=8)
+  plain = step.step_time(w, c, "flat")
+  zero = step.step_time(w, c, "flat", shard_optimizer=True)
+  # By hand: 0.1 - 0.02 + 0.02 / 8 = 0.0825 s of compute; reduce-scatter + all-gather are
+  # the allreduce's bytes, so comm is the allreduce's, to the bit.
+  assert zero.compute == pytest.approx(0.0825, rel=1e-12)
+  assert zero.comm == plain.comm and zero.total == pytest.approx(0.0825 + plain.comm)
+  assert plain.compute == 0.1
+  assert step.step_time(w, c.with_gpus(1), "flat", shard_optimizer=True).total == 0.1
+  # Adam on ResNet-50: 25,557,032 x 8 B = 204,456,256 B replicated; 51,114,064 B on 4 GPUs.
+  assert step.optimizer_state_bytes(step.RESNET50, 4) == 204_456_256
+  assert step.optimizer_state_bytes(step.RESNET50, 4, shard_optimizer=True) == 51_114_064
+  # Nothing to divide without an update time: the step is the allreduce step.
+  no_update = w.replace(update=0.0)
+  assert (step.step_time(no_update, c, "flat", shard_optimizer=True)
+          == step.step_time(no_update, c, "flat"))
+  # A step that is all update (the benchmark's ResNet-50-sized update step) runs in 1/P.
+  only = w.replace(compute=0.0077, update=0.0077)
+  assert step.step_time(only, c.with_gpus(3), "flat", shard_optimizer=True).compute == (
+      pytest.approx(0.0077 / 3, rel=1e-12))
+  with pytest.raises(ValueError, match="overlap='none' only"):
+    step.step_time(w, c, "flat", shard_optimizer=True, overlap="backward")
+  with pytest.raises(ValueError, match="0 <= update <= compute"):
+    w.replace(update=0.2)
