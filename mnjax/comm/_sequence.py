@@ -12,8 +12,9 @@ The same collectives must also *run* in that order, and XLA runs independent cus
 in any order. So they form one chain (`ORDER`): each takes the last one traced before it
 in the same computation as its ``after`` operand (a data dependency, nothing moves) and
 becomes the new last one: SyncBatchNorm's forward collectives in call order, its backward
-ones in reverse, then the gradient buckets. A gradient bucket therefore waits only for its
-own leaves and the collective before it, not for the whole backward pass.
+ones in reverse, then the gradient buckets. A gradient bucket therefore needs to wait only
+for its own leaves and the collective before it, not for the whole backward pass (what GPUs
+do: `mnjax.comm._collectives.leaves_early`).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ shows in the step depends on `overlap`:
   `mnjax.SyncBatchNorm`, whose last backward collective comes first):
   ``compute + comm``;
 * ``"backward"``: each bucket starts as soon as the backward pass has produced it (Horovod,
-  PyTorch DDP, Goyal et al.; mnjax's buckets without SyncBatchNorm, which leave in
-  backprop order with no barrier: tests/unit/test_primitives.py): buckets become ready
+  PyTorch DDP, Goyal et al.; mnjax's buckets on GPUs without SyncBatchNorm, which leave
+  in backprop order with no barrier: tests/unit/test_primitives.py): buckets become ready
   evenly over the backward pass and go out one after another; what is left after the
   backward pass shows;
 * ``"double_buffering"``: step t's gradient travels during step t+1 and the optimizer

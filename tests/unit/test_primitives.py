@@ -143,11 +143,14 @@ def _returned(text: str) -> list[str]:
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 @pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("early", [True, False], ids=["gpu_timing", "cpu_timing"])
 def test_the_first_bucket_leaves_before_the_first_layers_gradient(two_ranks, platform, norm,
-                                                                  monkeypatch):
-  """Buckets go in backprop order (the output layer's first), and the first one waits for
-  its own leaves and the collective before it (SyncBatchNorm's last backward one), not for
-  every gradient: the first layer's gradient is still being computed while it travels."""
+                                                                  early, monkeypatch):
+  """Buckets go in backprop order (the output layer's first). On GPUs (`leaves_early`) the
+  first one waits for its own leaves and the collective before it (SyncBatchNorm's last
+  backward one), not for every gradient: the first layer's gradient is still being
+  computed while it travels. On CPUs it waits for every leaf, unless SyncBatchNorm's chain
+  already orders it (then it follows that layer's last backward collective everywhere)."""
   import flax.linen as nn
 
   class Net(nn.Module):
@@ -170,7 +173,7 @@ def test_the_first_bucket_leaves_before_the_first_layers_gradient(two_ranks, pla
       reduced = collectives.allreduce_tree(grads, two_ranks, bucket_bytes=256)
       return reduced, grads["Dense_0"]["kernel"]  # the last gradient backprop finishes
 
-    with sequence.recording():
+    with sequence.recording(), collectives.buckets_leave_early(early):
       text = lowered(step, variables, jnp.ones((8, 8)), platform=platform)
     calls = mpi_calls(text)
     assert len(calls) >= 2 * norm + 3, calls  # SyncBatchNorm's two, then the buckets
@@ -178,8 +181,8 @@ def test_the_first_bucket_leaves_before_the_first_layers_gradient(two_ranks, pla
     first_bucket = calls[2 * norm][0]  # after SyncBatchNorm's forward and backward ones
     return depends_on(dependencies(text), first_bucket, gradient)
 
-  assert not first_call_waits_for_the_first_layer()
-  # Mutation check of the test: the old barrier (wait for every leaf) is seen.
+  assert first_call_waits_for_the_first_layer() == (not early and not norm)
+  # Mutation check of the test: the barrier (wait for every leaf) is seen where it is used.
   monkeypatch.setattr(sequence.ORDER, "last", lambda: None)
   monkeypatch.setattr(sequence, "noted", lambda prefix: True)
   assert first_call_waits_for_the_first_layer()
