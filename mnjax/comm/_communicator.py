@@ -311,6 +311,9 @@ def create_communicator(
   if not isinstance(share_devices, bool):
     raise TypeError(f"create_communicator: share_devices must be a bool, got {share_devices!r}.")
   clone = mpi_comm.Clone()
+  # A normal exit tells the peers (`mnjax.comm._departures`). Registered before
+  # jax.distributed starts (``xla``), so that at exit it runs after jax's own shutdown.
+  departures.announce()
   kind = devices_lib.agree(clone, resolve_kind, kind)
   if len(set(clone.allgather(kind))) > 1:
     raise ValueError(
@@ -358,7 +361,6 @@ def create_communicator(
     jax.config.update("jax_default_device", devices[0])
   if abort_on_error and clone.size > 1:
     failfast.install()
-  departures.announce()  # a normal exit tells the peers (`mnjax.comm._departures`)
   comm = Communicator(
       kind=kind,
       rank=clone.rank,

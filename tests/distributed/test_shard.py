@@ -172,16 +172,23 @@ def test_checkpoint_resumes_bitwise_on_the_same_ranks(comm):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("order", ["fewer", "more"])
-def test_checkpoint_resumes_on_another_number_of_ranks(comm, order):
-  # Save on all ranks and resume on all but the last ("fewer"), or the reverse ("more"); the
-  # last rank sits alone on a size-1 communicator meanwhile. 6 rows per rank divide evenly.
+def two_sizes(comm, order):
+  """``(world, colour, first, second)``: the job's communicators of P and P - 1 ranks (the
+  last rank alone, colour 1, on a size-1 one), in the order "fewer" (P, then P - 1) or
+  "more"; skips with one rank."""
   if comm.size == 1:
     pytest.skip("needs two ranks or more (runs under mpirun)")
   world = comm.mpi_comm
   colour = int(comm.rank == comm.size - 1)
   part = mnjax.create_communicator("flat", world.Split(colour, key=comm.rank))
-  first, second = (comm, part) if order == "fewer" else (part, comm)
+  return (world, colour, *((comm, part) if order == "fewer" else (part, comm)))
+
+
+@pytest.mark.parametrize("order", ["fewer", "more"])
+def test_checkpoint_resumes_on_another_number_of_ranks(comm, order):
+  # Save on all ranks and resume on all but the last ("fewer"), or the reverse ("more"); the
+  # last rank sits alone on a size-1 communicator meanwhile. 6 rows per rank divide evenly.
+  world, colour, first, second = two_sizes(comm, order)
   tx = optax.adam(1e-2)
   data = batches(comm.size)  # 6 rows per rank: divisible by 1, 2 (and 3 ranks of 4)
   reference, ref_state = single_process(tx, data)

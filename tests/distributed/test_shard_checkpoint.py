@@ -9,7 +9,15 @@ import numpy as np
 import optax
 import pytest
 from test_checkpointer import damage
-from test_shard import assert_equal, batches, init_params, same_on_every_rank, single_process, train
+from test_shard import (
+    assert_equal,
+    batches,
+    init_params,
+    same_on_every_rank,
+    single_process,
+    train,
+    two_sizes,
+)
 
 import mnjax
 from mnjax.optim import _shard_state as shard
@@ -76,12 +84,7 @@ def test_a_damaged_whole_state_is_not_loaded(comm, tmp_path):
 def test_resumes_resharded_on_another_number_of_ranks(comm, tmp_path, order):
   # Save on every rank and resume on all but the last ("fewer": P -> P - 1), or the reverse
   # ("more"); the last rank alone meanwhile does nothing. 6 rows per rank divide evenly.
-  if comm.size == 1:
-    pytest.skip("needs two ranks or more (runs under mpirun)")
-  world = comm.mpi_comm
-  colour = int(comm.rank == comm.size - 1)
-  part = mnjax.create_communicator("flat", world.Split(colour, key=comm.rank))
-  first, second = (comm, part) if order == "fewer" else (part, comm)
+  world, colour, first, second = two_sizes(comm, order)
   tx = TX()
   data, split = batches(comm.size), 5
   directory = tmp_path
