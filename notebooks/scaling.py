@@ -233,6 +233,22 @@ setups = {
     "mn_1": step.RESNET50.replace(compute=0.17),
     "h200_ndr": step.RESNET50.replace(compute=0.012),
 }
+
+
+def gpu_axis(ax, base, w):
+  """A predicted-efficiency panel: log GPU axis, the cluster and the step's compute."""
+  ax.set(xscale="log", xlabel="GPUs", title=f"{base.name}: ResNet-50, {w.compute * 1e3:.0f} ms")
+  ax.set_xticks(GPUS, [str(g) for g in GPUS])
+  ax.grid(alpha=0.3)
+
+
+def finish(fig, axes, name, **legend):
+  axes[0].set_ylabel("predicted weak-scaling efficiency")
+  axes[0].set_ylim(0, 1.02)
+  axes[1].legend(loc="lower left", **legend)
+  save(fig, name)
+
+
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
 table = {}
 for ax, (preset, w) in zip(axes, setups.items()):
@@ -247,14 +263,8 @@ for ax, (preset, w) in zip(axes, setups.items()):
     effs = step.scaling(w, base, ("two_dimensional",), GPUS, **opts)["two_dimensional"]
     ax.plot(GPUS, effs, "--", label=label)
     table[(preset, label)] = effs
-  ax.set(xscale="log", xlabel="GPUs",
-         title=f"{base.name}: ResNet-50, {w.compute * 1e3:.0f} ms compute")
-  ax.set_xticks(GPUS, [str(g) for g in GPUS])
-  ax.grid(alpha=0.3)
-axes[0].set_ylabel("predicted weak-scaling efficiency")
-axes[0].set_ylim(0, 1.02)
-axes[1].legend(fontsize=8, loc="lower left")
-save(fig, "predicted_efficiency")
+  gpu_axis(ax, base, w)
+finish(fig, axes, "predicted_efficiency", fontsize=8)
 display(Markdown("| cluster | kind | " + " | ".join(str(g) for g in GPUS) + " |\n|---|---|"
                  + "---|" * len(GPUS) + "\n" + "\n".join(
     f"| {preset} | {kind} | " + " | ".join(f"{e:.2f}" for e in effs) + " |"
@@ -316,14 +326,8 @@ for ax, (preset, w) in zip(axes, setups.items()):
                           interference=published.INTERFERENCE)[kind]
       ax.plot(GPUS, effs, style, color=color, ms=3, label=f"{kind}, {overlap}")
       overlap_table[(preset, kind, overlap)] = effs
-  ax.set(xscale="log", xlabel="GPUs",
-         title=f"{base.name}: ResNet-50, {w.compute * 1e3:.0f} ms")
-  ax.set_xticks(GPUS, [str(g) for g in GPUS])
-  ax.grid(alpha=0.3)
-axes[0].set_ylabel("predicted weak-scaling efficiency")
-axes[0].set_ylim(0, 1.02)
-axes[1].legend(fontsize=7, loc="lower left", ncol=2)
-save(fig, "predicted_overlap")
+  gpu_axis(ax, base, w)
+finish(fig, axes, "predicted_overlap", fontsize=7, ncol=2)
 display(Markdown(f"At {GPUS[-1]} GPUs:\n\n| cluster | kind | none | backward | double buffering |"
                  "\n|---|---|---|---|---|\n" + "\n".join(
     f"| {preset} | {kind} | " + " | ".join(
