@@ -28,7 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
 
-__all__ = ["ORDER", "note_collective", "noted", "recording", "recording_open"]
+__all__ = [
+    "ORDER", "note_collective", "noted", "per_device_state_kept", "recording", "recording_open",
+    "state_from_first_device",
+]
 
 
 class _Recordings(threading.local):
@@ -133,3 +136,39 @@ class _OrderChain(threading.local):
 
 
 ORDER = _OrderChain()
+
+
+class _FirstDevice(threading.local):
+  depth = 0
+
+
+_FIRST_DEVICE = _FirstDevice()
+
+
+@contextlib.contextmanager
+def state_from_first_device() -> Iterator[None]:
+  """Marks a step traced where replicated outputs come back from the first local device only
+  (`mnjax.data_parallel` for the ``xla`` kind with several local devices per process): state
+  that differs per device, such as `mnjax.accumulate_gradients`' partial sums, would be lost
+  between steps, and such transformations refuse it (`per_device_state_kept`).
+
+  Example:
+    >>> with state_from_first_device():
+    ...   per_device_state_kept()
+    False
+  """
+  _FIRST_DEVICE.depth += 1
+  try:
+    yield
+  finally:
+    _FIRST_DEVICE.depth -= 1
+
+
+def per_device_state_kept() -> bool:
+  """False while a step is traced inside `state_from_first_device`.
+
+  Example:
+    >>> per_device_state_kept()
+    True
+  """
+  return _FIRST_DEVICE.depth == 0

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mnjax.comm import _sequence as sequence
+
 __all__ = ["AccumulationState", "accumulate_gradients"]
 
 
@@ -70,6 +72,13 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int
     )
 
   def update_fn(updates, state, params=None):
+    if every_k > 1 and not sequence.per_device_state_kept():
+      raise ValueError(
+          "accumulate_gradients: this step runs under the 'xla' kind with several local"
+          " devices per process, where data_parallel keeps only the first device's copy of"
+          " the state between steps, so every other device's partial gradient sum would be"
+          " lost (a silently wrong gradient). Use 'hierarchical' or 'two_dimensional', or one"
+          " process per device.")
     grad_sum = jax.tree.map(jnp.add, state.grad_sum, updates)
     last = state.micro_step == every_k - 1
 

@@ -20,6 +20,7 @@ local rendezvous under asynchronous dispatch and reaches only 0.83 synchronised.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -29,6 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.guard import _preflight as preflight
 
@@ -86,10 +88,15 @@ def data_parallel(
   per_device_outputs = _positions(per_device_outputs, "per_device_outputs", "output of fn")
 
   agreed: set = set()  # the collective sequences this step's ranks have agreed on
+  # xla with several local devices: replicated outputs come back from the first device
+  # (`_local`), so per-device state cannot survive a step; transformations that keep some
+  # refuse it while traced (`mnjax.comm._sequence.state_from_first_device`).
+  first_device = (sequence.state_from_first_device
+                  if comm.kind == "xla" and comm.local_device_count > 1 else contextlib.nullcontext)
 
   def stacked(*args):  # per-device outputs get a leading axis: one row per device
     _check_batch_positions(batch_argnums, len(args))  # while tracing: once per compilation
-    with preflight.recording() as collectives:  # SyncBatchNorm's, in call order
+    with preflight.recording() as collectives, first_device():  # SyncBatchNorm's, in order
       out = fn(*args)
     preflight.check_collective_sequence(comm, collectives, caller="data_parallel",
                                         agreed=agreed)

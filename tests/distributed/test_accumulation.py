@@ -103,3 +103,19 @@ def test_a_checkpoint_inside_a_cycle_is_refused_with_several_replicas(comm, tmp_
   _, state = jax.jit(tx.update)({"w": jnp.ones(3)}, state, params)
   checkpointer.save(2, state)
   checkpointer.close()
+
+
+def test_where_state_comes_back_from_the_first_device_only_it_is_refused(comm):
+  # data_parallel traces the xla kind with several local devices inside this context
+  # (tests/support/xla_worker.py checks the real case): each device's partial sum would be
+  # replaced by device 0's between steps, a silently wrong gradient.
+  from mnjax.comm import _sequence as sequence
+
+  tx = mnjax.accumulate_gradients(optax.sgd(0.1), every_k=2)
+  params = {"w": jnp.ones(3)}
+  with sequence.state_from_first_device(), pytest.raises(
+      ValueError, match="keeps only the first device's copy"):
+    jax.jit(tx.update)({"w": jnp.ones(3)}, tx.init(params), params)
+  once = mnjax.accumulate_gradients(optax.sgd(0.1), every_k=1)  # nothing accumulates
+  with sequence.state_from_first_device():
+    jax.jit(once.update)({"w": jnp.ones(3)}, once.init(params), params)

@@ -60,4 +60,17 @@ for idx, _ in mnjax.epoch_batches(len(data), comm, 8 * comm.num_replicas, shuffl
 digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(state.params)))
 assert len(set(comm.mpi_comm.allgather(digest.hexdigest()))) == 1
 assert int(metrics["count"]) == 8 * comm.local_device_count
+# 3. Per-device state cannot survive a step here (replicated outputs come back from the
+# first local device): accumulate_gradients refuses it, on every rank, before any exchange.
+if comm.local_device_count > 1:
+  acc = mnjax.accumulate_gradients(optax.chain(mnjax.allreduce_gradients(comm), optax.sgd(0.1)),
+                                   every_k=2)
+  try:
+    mnjax.data_parallel(lambda p, s, x, y: acc.update(jax.grad(loss)(p, x, y), s, p), comm,
+                        batch_argnums=(2, 3))(params, acc.init(params), images[mine],
+                                                 labels[mine])
+  except ValueError as error:
+    assert "keeps only the first device's copy" in str(error), error
+  else:
+    raise AssertionError("accumulate_gradients ran under xla with several local devices")
 print(f"XLA OK rank {comm.rank} worst relative difference {worst:.2e}", flush=True)
