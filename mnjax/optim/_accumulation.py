@@ -47,6 +47,11 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int
     An `optax.GradientTransformation` with `AccumulationState`. Updates are zero on the
     first ``every_k - 1`` micro-steps of each cycle.
 
+  Raises:
+    ValueError: while the step is traced, under the ``xla`` kind with several local devices
+      per process (each device's partial sum would not survive the step there), and from
+      `mnjax.Checkpointer.save` inside a cycle with several replicas.
+
   Example:
     >>> tx = mnjax.accumulate_gradients(
     ...     optax.chain(mnjax.allreduce_gradients(comm), optax.sgd(0.1)), every_k=4)
