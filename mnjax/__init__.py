@@ -38,7 +38,8 @@ from mnjax.optim import (
     shard_optimizer,
     skip_nonfinite,
 )
-from mnjax.train import allreduce_metrics, data_parallel, global_mean, mean_metrics
+from mnjax.train import (
+    allreduce_metrics, data_parallel, global_mean, mean_metrics, process_local)
 
 __version__ = "0.1.0"
 
@@ -70,6 +71,7 @@ __all__ = [
     "models",
     "nn",
     "optim",
+    "process_local",
     "raise_if_diverging",
     "recipes",
     "scatter_dataset",

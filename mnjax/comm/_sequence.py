@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
 
 __all__ = [
-    "ORDER", "note_collective", "noted", "per_device_state_kept", "recording", "recording_open",
-    "state_from_first_device",
+    "ORDER", "enclosing", "enclosing_options", "note_collective", "noted",
+    "per_device_state_kept", "recording", "recording_open", "state_from_first_device",
 ]
 
 
@@ -136,6 +136,46 @@ class _OrderChain(threading.local):
 
 
 ORDER = _OrderChain()
+
+
+class _Enclosing(threading.local):
+  """The options of the transformations whose inner update is being traced (outermost first)."""
+
+  def __init__(self):
+    self.stack: list[tuple[str, tuple]] = []
+
+
+_ENCLOSING = _Enclosing()
+
+
+@contextlib.contextmanager
+def enclosing(what: str, options: dict) -> Iterator[None]:
+  """Marks an inner transformation traced on behalf of `what` with `options` (e.g.
+  `mnjax.accumulate_gradients`' ``every_k``): the pre-flight checks of mnjax's collectives
+  traced inside compare these too, so a rank with another accumulation period is named
+  before the ranks issue different numbers of collectives (a hang), also in a user's own
+  ``jax.jit`` step, which no `mnjax.data_parallel` program check sees.
+
+  Example:
+    >>> with enclosing("accumulate_gradients", {"every_k": 4}):
+    ...   enclosing_options()
+    (('accumulate_gradients', (('every_k', 4),)),)
+  """
+  _ENCLOSING.stack.append((what, tuple(sorted(options.items()))))
+  try:
+    yield
+  finally:
+    _ENCLOSING.stack.pop()
+
+
+def enclosing_options() -> tuple:
+  """The open `enclosing` blocks' ``(what, options)``, outermost first.
+
+  Example:
+    >>> enclosing_options()
+    ()
+  """
+  return tuple(_ENCLOSING.stack)
 
 
 class _FirstDevice(threading.local):

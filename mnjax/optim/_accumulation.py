@@ -97,8 +97,11 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       return zeros, inner_state, grad_sum
 
-    new_updates, inner_state, grad_sum = jax.lax.cond(
-        last, apply, wait, grad_sum, state.inner_state)
+    # Inside, mnjax's collectives compare every_k across ranks with their own pre-flight
+    # check: another period on one rank would issue another number of exchanges (a hang).
+    with sequence.enclosing("accumulate_gradients", {"every_k": every_k}):
+      new_updates, inner_state, grad_sum = jax.lax.cond(
+          last, apply, wait, grad_sum, state.inner_state)
     micro_step = jnp.where(last, 0, state.micro_step + 1).astype(jnp.int32)
     return new_updates, AccumulationState(micro_step, grad_sum, inner_state)
 

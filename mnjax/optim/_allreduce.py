@@ -36,6 +36,7 @@ import optax
 
 from mnjax.comm import _buckets as bucketing
 from mnjax.comm import _collectives as collectives
+from mnjax.comm import _sequence as sequence
 from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import check_communicator
 from mnjax.guard import _preflight as preflight
@@ -154,6 +155,8 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
     signature = dict(options, **{"gradient tree": preflight.tree_signature(updates)})
     if params is not None:
       signature["parameter tree"] = preflight.tree_signature(params)
+    if sequence.enclosing_options():  # e.g. accumulate_gradients' every_k
+      signature["enclosing transformations"] = sequence.enclosing_options()
     if double_buffering:  # what travels is the pending tree: the ranks compare it too
       signature["pending tree"] = (
           preflight.tree_signature(state.pending)

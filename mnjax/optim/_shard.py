@@ -62,9 +62,11 @@ import optax
 from mnjax.comm import _buckets as bucketing
 from mnjax.comm import _primitives as mpi_ops
 from mnjax.comm import _scatter as scatter
+from mnjax.comm import _sequence as sequence
 from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import check_communicator
 from mnjax.guard import _preflight as preflight
+from mnjax.guard import _program as program
 from mnjax.optim._shard_checks import (
     NEEDS_WHOLE_TREE,
     check_elementwise_on_shares,
@@ -170,6 +172,8 @@ def shard_optimizer(comm, tx: optax.GradientTransformation, *, wire_dtype: Any =
                                      state.inner)})
     if params is not None:
       signature["parameter tree"] = preflight.tree_signature(params)
+    if sequence.enclosing_options():  # e.g. accumulate_gradients' every_k
+      signature["enclosing transformations"] = sequence.enclosing_options()
     preflight.check_same_on_all_ranks(
         comm, "the gradients and sharded optimizer state", signature, caller=caller,
         timeout=preflight_timeout)
@@ -180,6 +184,12 @@ def shard_optimizer(comm, tx: optax.GradientTransformation, *, wire_dtype: Any =
     if clip_global_norm is not None:
       grads, last = _clip(grads, clip_global_norm, comm, last)
     shares = None if params is None else _shares(params, index, parts)
+    # Each rank updates its own shares: another learning rate (any hyperparameter) on one
+    # rank moves its shares at that rate on every rank alike, invisible to check_replicas.
+    # So the ranks compare tx's update program (traced here, also in a plain jax.jit step).
+    program.check_same_program(
+        comm, jax.make_jaxpr(tx.update)(grads, state.inner, shares), caller=caller,
+        what="the update of the optimizer it shards (tx)")
     new, inner = tx.update(grads, state.inner, shares)
     _check_shares(new, updates, parts, caller)
     full, _ = scatter.allgather_tree(new, updates, comm, bucket_bytes=bucket_bytes, after=last)

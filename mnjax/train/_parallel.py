@@ -27,14 +27,41 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.guard import _preflight as preflight
+from mnjax.guard import _program as program
 
-__all__ = ["data_parallel"]
+__all__ = ["data_parallel", "process_local"]
+
+#: The `jax.named_scope` that `process_local` opens (read by `mnjax.guard._program`).
+PROCESS_LOCAL_SCOPE = "mnjax_process_local"
+
+
+def process_local():
+  """A scope for collectives over ``comm.axis_name`` meant for this process's devices only.
+
+  Under the multi-device kinds other than ``xla``, `data_parallel` maps the step over this
+  process's devices only, so a ``jax.lax.pmean(x, comm.axis_name)`` or a flax
+  ``nn.BatchNorm(axis_name=comm.axis_name)`` would reduce over them alone, where under a
+  multi-host ``pmap`` it spanned every device of every host. `data_parallel` refuses such
+  collectives unless they are traced inside this scope, which says the local reduction is
+  meant (e.g. BatchNorm statistics per process, ChainerMN's per-rank BatchNorm).
+
+  Example:
+    >>> comm = mnjax.create_communicator("hierarchical")
+    >>> def step(x):
+    ...   with mnjax.process_local():
+    ...     return jax.lax.pmean(x, comm.axis_name)   # this process's devices, on purpose
+    >>> x = jnp.arange(float(comm.local_device_count))
+    >>> float(mnjax.data_parallel(step, comm, batch_argnums=(0,))(x)[0]) == float(x.mean())
+    True
+  """
+  return jax.named_scope(PROCESS_LOCAL_SCOPE)
 
 
 def data_parallel(
@@ -43,6 +70,7 @@ def data_parallel(
     *,
     batch_argnums: Sequence[int] = (1,),
     per_device_outputs: Sequence[int] = (),
+    check_program: bool = True,
 ) -> Callable[..., Any]:
   """A jitted version of the per-device step `fn` that runs on every local device.
 
@@ -52,10 +80,20 @@ def data_parallel(
   device of this process, for every kind alike (``flat``: one row), as ``jax.pmap`` returns
   them. A Python number there (``{"count": 32}``) becomes a row per device, as under
   ``pmap``; any other leaf that is not an array is a `TypeError` naming the output, raised
-  on every rank while the step is traced. The in-step collectives of `mnjax.SyncBatchNorm`
-  layers in `fn` are compared across ranks once per trace, before the step first runs
-  (`mnjax.guard._preflight.check_collective_sequence`): another number of layers or another
-  feature width on some rank is a `ValueError` on every rank, not a hang.
+  on every rank while the step is traced.
+
+  Before the step first runs, every rank checks that all ranks run the same step, each
+  with one small host allgather per trace (a retrace on one rank only, for another batch
+  size, needs none): the in-step collectives (`mnjax.SyncBatchNorm` layers, gradient
+  buckets; `mnjax.guard._preflight.check_collective_sequence`), then the whole program
+  (`mnjax.guard._program`: every operation, literal and constant, so another learning rate,
+  accumulation period or constant on one rank is named, with its source, as a `ValueError`
+  on every rank instead of replicas that silently drift apart or a hang). Values that must
+  differ per rank go in as arguments (compared by shape and dtype only). A collective over
+  ``comm.axis_name`` that user code left in the step (``jax.lax.pmean(x, "batch")`` from a
+  pmap script) is refused under the kinds where it would span this process's devices only
+  (``hierarchical``, ``two_dimensional``, ``single_node``) unless it is inside
+  `process_local`; under ``flat`` the axis is unbound, which is refused with the fix too.
 
   Args:
     fn: ``fn(*args)``, written for one device and one device's share of the batch.
@@ -65,6 +103,9 @@ def data_parallel(
       position past the arguments of a call is a `ValueError` at that call (every kind).
     per_device_outputs: positions (ints >= 0) in `fn`'s output tuple that differ per
       device; `fn` must then return a tuple.
+    check_program: compare the traced program across ranks (default). False skips that
+      round, for a step whose program really differs per rank (the collective sequence is
+      still compared).
 
   Returns:
     ``step(*args)``; batch arguments hold this process's examples and must split evenly
@@ -84,6 +125,8 @@ def data_parallel(
     then ``state, metrics = step(state, images, labels)`` with this process's batch.
   """
   check_communicator(comm, "data_parallel")
+  if not isinstance(check_program, bool):
+    raise TypeError(f"data_parallel: check_program must be a bool, got {check_program!r}.")
   batch_argnums = _positions(batch_argnums, "batch_argnums", "step argument")
   per_device_outputs = _positions(per_device_outputs, "per_device_outputs", "output of fn")
 
@@ -94,18 +137,31 @@ def data_parallel(
   first_device = (sequence.state_from_first_device
                   if comm.kind == "xla" and comm.local_device_count > 1 else contextlib.nullcontext)
 
-  def stacked(*args):  # per-device outputs get a leading axis: one row per device
-    _check_batch_positions(batch_argnums, len(args))  # while tracing: once per compilation
-    with preflight.recording() as collectives, first_device():  # SyncBatchNorm's, in order
-      out = fn(*args)
-    preflight.check_collective_sequence(comm, collectives, caller="data_parallel",
-                                        agreed=agreed)
+  def per_device(*args):  # fn, with per-device outputs given a leading axis: one row each
+    out = fn(*args)
     if not per_device_outputs:
       return out
     out = list(_output_tuple(out, per_device_outputs))
     for i in per_device_outputs:
       out[i] = jax.tree_util.tree_map_with_path(functools.partial(_row, i), out[i])
     return tuple(out)
+
+  def stacked(*args):
+    _check_batch_positions(batch_argnums, len(args))  # while tracing: once per compilation
+    # Traced once into a jaxpr (so that the ranks can compare it), then replayed into the
+    # step's own trace: one Python trace of fn, one flat program, as with fn(*args).
+    with preflight.recording() as collectives, first_device():  # SyncBatchNorm's, in order
+      closed, shapes = _trace(per_device, args, comm)
+    _check_local_collectives(closed, comm)
+    fresh = comm.size > 1 and tuple(collectives) not in agreed
+    preflight.check_collective_sequence(comm, collectives, caller="data_parallel",
+                                        agreed=agreed)
+    if fresh and check_program:
+      program.check_same_program(
+          comm, closed, caller="data_parallel", arg_paths=_arg_paths(args),
+          fix="or, if it really must differ, build data_parallel with check_program=False")
+    flat = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
   if not comm.multi_device:
     return jax.jit(stacked)
@@ -147,6 +203,49 @@ def data_parallel(
     return run(*args)
 
   return step
+
+
+def _trace(fn: Callable[..., Any], args: tuple, comm: Communicator) -> tuple:
+  """``jax.make_jaxpr(fn, return_shape=True)(*args)``, with a leftover pmap collective over
+  ``comm.axis_name`` under ``flat`` (an unbound axis there) refused with the fix."""
+  try:
+    return jax.make_jaxpr(fn, return_shape=True)(*args)
+  except NameError as error:
+    if repr(comm.axis_name) not in str(error) and comm.axis_name not in str(error):
+      raise
+    raise ValueError(
+        f"data_parallel: the step calls a collective over the axis {comm.axis_name!r} (e.g."
+        f" jax.lax.pmean(x, {comm.axis_name!r}) or flax BatchNorm(axis_name=...) left from a"
+        " pmap script), but the 'flat' kind runs one device per process, where no such axis"
+        " exists. Reduce across every device of every process with mnjax instead:"
+        " mnjax.comm.allreduce_tree(x, comm) (mean=True by default) inside the step,"
+        " mnjax.allreduce_gradients(comm) for gradients, mnjax.SyncBatchNorm(comm) for"
+        " BatchNorm, mnjax.mean_metrics(metrics, comm) for metrics after the step;"
+        " or drop the collective.") from error
+
+
+def _check_local_collectives(closed: Any, comm: Communicator) -> None:
+  """Refuses user collectives over ``comm.axis_name`` that would span this process only."""
+  if not comm.multi_device or comm.kind == "xla":
+    return  # flat: no axis (see `_trace`); xla: the axis spans every device of the job
+  found = program.user_collectives(closed, comm.axis_name, allowed_scope=PROCESS_LOCAL_SCOPE)
+  if found:
+    raise ValueError(
+        f"data_parallel: the step calls {len(found)} collective(s) over {comm.axis_name!r}"
+        f" that mnjax did not write ({'; '.join(found[:3])}{'; ...' if len(found) > 3 else ''})."
+        f" Under the {comm.kind!r} kind that axis spans this process's"
+        f" {comm.local_device_count} device(s) only, not every device of every process as"
+        " under a multi-host pmap, so the result would be silently local. Use"
+        " mnjax.comm.allreduce_tree(x, comm) (every device of every process),"
+        " mnjax.SyncBatchNorm(comm) for BatchNorm, mnjax.mean_metrics after the step; or,"
+        " if this process's devices only are meant, trace it inside `with"
+        " mnjax.process_local():`.")
+
+
+def _arg_paths(args: tuple) -> list[str]:
+  """A name per leaf of the step's arguments, for the program check's messages."""
+  return [f"argument {jax.tree_util.keystr(path)}"
+          for path, _ in jax.tree_util.tree_flatten_with_path(list(args))[0]]
 
 
 def _positions(value: Any, name: str, what: str) -> tuple[int, ...]:
