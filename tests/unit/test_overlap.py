@@ -28,6 +28,7 @@ from mnjax.bench.hlo_order import (
   entry_units,
 )
 from mnjax.guard import _preflight as preflight
+from mnjax.guard import _program as program
 
 _PARAMETER = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[^=]*\sparameter\((\d+)\)")
 
@@ -36,6 +37,7 @@ _PARAMETER = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[^=]*\sparameter\((\d+)\)")
 def no_rank_checks(monkeypatch):
   monkeypatch.setattr(preflight, "check_same_on_all_ranks", lambda *a, **k: None)
   monkeypatch.setattr(preflight, "check_collective_sequence", lambda *a, **k: None)
+  monkeypatch.setattr(program, "check_same_program", lambda *a, **k: None)
 
 
 def two_ranks(kind):
