@@ -11,8 +11,12 @@
   each, do not depend on how replicas group into processes (4 x 1 trains like 2 x 2).
   `epoch_batches` (arrays in memory) and `Loader` (a `Source`) both use it.
 * `Loader`: a rank's shuffled, augmented, prefetched batches of a `Source`.
-* ChainerMN's sharding, kept as its API: `scatter_index` / `scatter_dataset` give each rank
-  one contiguous block of the permutation (what a rank holds, not how to cut batches).
+* ChainerMN's sharding, kept as its API and split: `scatter_index` / `scatter_dataset` give
+  each rank one contiguous block of the permutation (`shard_bounds`: what a rank holds, not
+  how to cut batches), any dataset size included (empty or duplicated shards, masked).
+* Agreement: each of these, `epoch_batches` and `Loader` first compares across ranks what
+  decides the partition (dataset size, seed, epoch, global batch, options), one small host
+  round per call: a value that differs on one rank raises on every rank.
 * `augment`: the standard image augmentations, as pure functions of a key.
 
 Example::
@@ -31,6 +35,7 @@ from mnjax.data._sharding import (
     local_batch_size,
     scatter_dataset,
     scatter_index,
+    shard_bounds,
 )
 from mnjax.data._sources import (
     DATASETS,
@@ -65,4 +70,5 @@ __all__ = [
     "open_source",
     "scatter_dataset",
     "scatter_index",
+    "shard_bounds",
 ]

@@ -18,6 +18,12 @@ stopped early would leave the others waiting in a collective).
 
 Each example's augmentation draws from ``np.random.default_rng([seed, epoch, index])``: the
 same on any rank, any number of workers, any run.
+
+The ranks compare what decides their batches (`mnjax.data._agreement`): the dataset size,
+``batch_size``, ``train`` and, for training, ``seed`` when a `Loader` is built, and those
+with ``epoch`` and ``start`` at every ``epoch`` call (one small host round each, none at size
+1, none per batch); a value that differs on one rank raises on every rank. ``steps`` and
+``indices`` are local and communicate nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.data._agreement import check_same_plan
 from mnjax.data._sharding import _slices
 
 __all__ = ["Batch", "Loader"]
@@ -50,6 +57,9 @@ class Batch(NamedTuple):
 
 class Loader:
   """Iterates this rank's batches of `source`, one epoch per `epoch` call.
+
+  Collective at construction and at each `epoch` call (a comparison of the values above
+  across ranks): build it and call `epoch` on every rank.
 
   Args:
     source: random access, ``len(source)`` and ``source[i] -> (uint8 image, label)``.
@@ -77,20 +87,28 @@ class Loader:
                transform: Callable[[np.ndarray, np.random.Generator], np.ndarray], *,
                train: bool, seed: int = 0, prefetch: int = 2, workers: int | None = None):
     check_communicator(comm, "Loader")
+    if prefetch < 1:
+      raise ValueError(f"Loader: prefetch must be >= 1, got {prefetch!r}.")
+    self.source, self.comm, self.batch_size = source, comm, batch_size
+    self.transform, self.train, self.seed, self.prefetch = transform, train, seed, prefetch
+    check_same_plan(comm, "Loader", self._values())
     if (not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool)
         or batch_size <= 0 or batch_size % comm.local_device_count):
       raise ValueError(
           f"Loader: batch_size (examples per step on this process) must be a positive"
           f" multiple of the {comm.local_device_count} local device(s), got {batch_size!r};"
           " pass mnjax.local_batch_size(global_batch_size, comm).")
-    if prefetch < 1:
-      raise ValueError(f"Loader: prefetch must be >= 1, got {prefetch!r}.")
-    self.source, self.comm, self.batch_size = source, comm, int(batch_size)
+    self.batch_size = int(batch_size)
     self.global_batch_size = self.batch_size * comm.size
-    self.transform, self.train, self.seed, self.prefetch = transform, train, seed, prefetch
     self.workers = workers or max(1, min(16, len(os.sched_getaffinity(0))))
     self.wait_seconds = 0.0  # time the consumer spent blocked on input, all epochs
     self._plan(0)  # fails here, on every rank, if the source has no full global batch
+
+  def _values(self, **more: Any) -> dict[str, Any]:
+    """What decides this rank's batches (the seed orders them only when training)."""
+    values = {"dataset size": len(self.source), "batch_size": self.batch_size,
+              "train": self.train}
+    return values | ({"seed": self.seed} if self.train else {}) | more
 
   def _plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """``(indices, mask)`` of shape ``(steps, batch_size)``: this rank's slice per step."""
@@ -126,11 +144,16 @@ class Loader:
 
     ``start`` skips the epoch's first batches without reading them: resuming mid-epoch
     from a checkpoint yields exactly the batches the interrupted run had not reached.
+    Collective when called (not when first iterated): the ranks compare `epoch`, `start`
+    and the loader's settings.
     """
+    check_same_plan(self.comm, "Loader.epoch", self._values(epoch=epoch, start=start))
     plan = list(zip(*self._plan(epoch)))
     if not 0 <= start <= len(plan):
       raise ValueError(f"Loader.epoch: start must be in [0, {len(plan)}], got {start}.")
-    plan = plan[start:]
+    return self._batches(epoch, plan[start:])
+
+  def _batches(self, epoch: int, plan: list) -> Iterator[Batch]:
     ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
     stop = threading.Event()
 

@@ -9,13 +9,21 @@ communication — and takes its part of it. There are two ways to take a part:
   local devices split that slice in order. So replica ``j = r * devices + d`` sees the same
   examples whatever the grouping: 4 processes x 1 device, 2 x 2 and 1 x 4 train alike, and
   all equal one process on the global batch.
-* `scatter_index` / `scatter_dataset` — ChainerMN's API, kept as it is: each rank gets one
-  contiguous block of the permutation (with ``force_equal_length``, ChainerMN's default,
-  ``ceil(n / size)`` indices, the short blocks padded with the next examples so that every
-  rank runs the same number of steps; ``return_mask=True`` marks the padding so that an
-  evaluation can weight duplicates 0). A rank's block depends on ``size``, so batches cut
-  from it change with the grouping: use it to hand each rank its own data, not to cut
-  global batches.
+* `scatter_index` / `scatter_dataset` — ChainerMN's API and split: each rank gets one
+  contiguous block of the permutation (`shard_bounds`). With ``force_equal_length``,
+  ChainerMN's default, ``ceil(n / size)`` indices from ``floor(n * rank / size)`` on, so a
+  short block ends with the next rank's first examples (duplicates) and every rank runs the
+  same number of steps; ``return_mask=True`` marks those duplicates so that an evaluation
+  can weight them 0. Without it, an exact partition whose first ``n % size`` ranks get one
+  example more. An empty dataset, or fewer examples than ranks, scatters as ChainerMN's
+  does (empty or duplicated shards, masked); `epoch_batches` and `mnjax.data.Loader` refuse
+  an empty dataset, and training needs one full global batch. A rank's block depends on
+  ``size``, so batches cut from it change with the grouping: use it to hand each rank its
+  own data, not to cut global batches.
+
+The functions given a `comm` (and `mnjax.data.Loader`) first compare across ranks what
+decides the partition (`mnjax.data._agreement`): a value that differs on one rank raises
+on every rank. `global_batch_slices` and `shard_bounds` are pure.
 
 Example:
   >>> idx, mask = mnjax.data.global_batch_slices(8, 4, rank=1, size=2, shuffle=False)
@@ -32,6 +40,7 @@ import jax
 import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.data._agreement import check_same_plan
 
 __all__ = [
     "SubDataset",
@@ -40,6 +49,7 @@ __all__ = [
     "local_batch_size",
     "scatter_dataset",
     "scatter_index",
+    "shard_bounds",
 ]
 
 
@@ -47,28 +57,63 @@ def _is_int(value: Any) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _check_n(n: Any, size: int, caller: str) -> int:
+def _check_size(n: Any, caller: str) -> int:
   if not _is_int(n) or n < 0:
     raise TypeError(f"{caller}: the dataset size must be a non-negative int, got {n!r}.")
+  return int(n)
+
+
+def _check_n(n: Any, caller: str) -> int:
+  """The dataset size of something that runs steps on it: at least one example."""
+  n = _check_size(n, caller)
   if n == 0:
     raise ValueError(
         f"{caller}: the dataset is empty (0 examples), so no rank has anything to read."
         " Check that the data was found and loaded (its path, its split, any filter"
         " applied before this call).")
-  if n < size:
-    raise ValueError(
-        f"{caller}: a dataset of {n} examples cannot be split over {size} ranks:"
-        f" every rank needs at least one example. Use a dataset with >= {size}"
-        f" examples or run with at most {n} ranks (mpirun -n {n})."
-    )
-  return int(n)
+  return n
 
 
-def _permutation(n: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+def _permutation(n: int, shuffle: bool, seed: Any, epoch: Any, caller: str) -> np.ndarray:
   """The epoch's example order, identical on every rank: a function of (seed, epoch) only."""
   if not shuffle:
     return np.arange(n)
+  for name, value in (("seed", seed), ("epoch", epoch)):
+    if not _is_int(value) or value < 0:
+      raise TypeError(f"{caller}: {name} must be a non-negative int (the same on every rank),"
+                      f" got {value!r}.")
   return np.random.default_rng([int(seed), int(epoch)]).permutation(n)
+
+
+def _order_values(n: Any, shuffle: bool, seed: Any, epoch: Any) -> dict[str, Any]:
+  """What decides the epoch's permutation (the seed and epoch only when it is shuffled)."""
+  values = {"dataset size": n, "shuffle": shuffle}
+  return values | ({"seed": seed, "epoch": epoch} if shuffle else {})
+
+
+def shard_bounds(n: int, rank: int, size: int, *,
+                 force_equal_length: bool) -> tuple[int, int, int]:
+  """ChainerMN's block of rank `rank` of `size`: positions ``[begin, end)`` of the
+  permutation, of which ``[begin, real_end)`` are this rank's own (the rest: duplicates).
+
+  ``force_equal_length``: ``ceil(n / size)`` positions from ``floor(n * rank / size)`` on;
+  the own ones end where the next rank's begin. Else: an exact partition, the first
+  ``n % size`` ranks one example more. Either way the own parts of ranks ``0 .. size - 1``,
+  concatenated, are ``range(n)``.
+
+  Example:
+    >>> [shard_bounds(10, r, 3, force_equal_length=False)[:2] for r in range(3)]
+    [(0, 4), (4, 7), (7, 10)]
+    >>> [shard_bounds(5, r, 3, force_equal_length=True) for r in range(3)]
+    [(0, 2, 1), (1, 3, 3), (3, 5, 5)]
+  """
+  if force_equal_length:
+    begin = n * rank // size
+    return begin, begin + -(-n // size), n * (rank + 1) // size
+  q, rem = divmod(n, size)
+  begin = rank * q + min(rank, rem)
+  end = begin + q + (rank < rem)
+  return begin, end, end
 
 
 def scatter_index(
@@ -86,17 +131,23 @@ def scatter_index(
   The union over ranks covers ``range(n)``. The order is a permutation drawn from
   ``(seed, epoch)`` when `shuffle`, identical on every rank, so shards change every epoch
   and are reproducible. The block depends on ``comm.size``: to cut global batches that do
-  not depend on how replicas group into processes, use `epoch_batches`.
+  not depend on how replicas group into processes, use `epoch_batches`. The ranks first
+  compare `n`, `shuffle`, `seed`, `epoch` and `force_equal_length` (one small host round;
+  none at size 1): a value that differs on one rank raises `ValueError` on every rank, so
+  call it on every rank.
 
   Args:
-    n: number of examples (must be >= ``comm.size``).
+    n: number of examples (any ``n >= 0``, as in ChainerMN: 0 gives empty shards, fewer
+      examples than ranks duplicated ones with `force_equal_length`, empty ones without).
     comm: the `Communicator`.
     shuffle: permute before splitting.
-    seed: base seed of the permutation (the same on every rank).
+    seed: base seed of the permutation, an int (the same on every rank).
     epoch: epoch number; a new permutation per epoch.
-    force_equal_length: pad every shard to ``ceil(n / size)`` with the next examples of the
-      permutation (duplicates). ``False``: an exact partition of unequal lengths.
-    return_mask: also return a bool array, False where an index is a padding duplicate.
+    force_equal_length: ChainerMN's split (`shard_bounds`): ``ceil(n / size)`` indices
+      each, a short block ending with the next rank's first examples (duplicates).
+      ``False``: an exact partition, the first ``n % size`` ranks one example more.
+    return_mask: also return a bool array, False where an index is a duplicate (so that
+      the unmasked indices of all ranks are each example once).
 
   Returns:
     int64 indices, or ``(indices, mask)`` when `return_mask`.
@@ -108,16 +159,24 @@ def scatter_index(
     >>> len(idx) == -(-10 // comm.size)
     True
   """
-  check_communicator(comm, "scatter_index")
-  n = _check_n(n, comm.size, "scatter_index")
-  order = _permutation(n, shuffle, seed, epoch)
-  begin = n * comm.rank // comm.size
-  end = n * (comm.rank + 1) // comm.size
-  length = -(-n // comm.size) if force_equal_length else end - begin
-  positions = np.arange(begin, begin + length)
-  mask = positions < end
-  indices = order[positions % n].astype(np.int64)
-  return (indices, mask) if return_mask else indices
+  return _scatter_index(n, comm, shuffle=shuffle, seed=seed, epoch=epoch,
+                        force_equal_length=force_equal_length, return_mask=return_mask,
+                        caller="scatter_index")
+
+
+def _scatter_index(n: Any, comm: Communicator, *, shuffle: bool, seed: Any, epoch: Any,
+                   force_equal_length: bool, return_mask: bool, caller: str):
+  """`scatter_index`, with errors that name the public function the user called."""
+  check_communicator(comm, caller)
+  check_same_plan(comm, caller, _order_values(n, shuffle, seed, epoch)
+                  | {"force_equal_length": force_equal_length})
+  n = _check_size(n, caller)
+  order = _permutation(n, shuffle, seed, epoch, caller)
+  begin, end, real_end = shard_bounds(n, comm.rank, comm.size,
+                                      force_equal_length=bool(force_equal_length))
+  positions = np.arange(begin, end, dtype=np.int64)
+  indices = order[positions].astype(np.int64)
+  return (indices, positions < real_end) if return_mask else indices
 
 
 class SubDataset(Sequence):
@@ -141,47 +200,68 @@ class SubDataset(Sequence):
     return self._dataset[int(self.indices[i])]
 
 
-def scatter_dataset(dataset: Any, comm: Communicator, **kwargs) -> Any:
-  """This rank's shard of `dataset` (same options as `scatter_index`).
+def scatter_dataset(dataset: Any, comm: Communicator, *, shuffle: bool = False, seed: int = 0,
+                    epoch: int = 0, force_equal_length: bool = True,
+                    return_mask: bool = False) -> Any:
+  """This rank's shard of `dataset`: ``dataset[scatter_index(len(dataset), comm, ...)]``.
+
+  ChainerMN's `scatter_dataset`, except that every rank holds the dataset (nothing is sent:
+  the ranks compare its size, like the other options, and raise on every rank if it
+  differs). An empty dataset gives empty shards; one smaller than the number of ranks gives
+  duplicated shards with `force_equal_length` (marked by `return_mask`), empty ones without.
 
   Args:
     dataset: a numpy array, a pytree of arrays sharing their leading dimension (e.g. a tuple
       ``(images, labels)`` or a dict), or any sequence with ``len`` and ``[]``.
     comm: the `Communicator`.
-    **kwargs: `scatter_index` options (shuffle, seed, epoch, force_equal_length).
+    shuffle, seed, epoch, force_equal_length: as in `scatter_index`.
+    return_mask: also return `scatter_index`'s mask (False on duplicates).
 
   Returns:
-    The shard, of the same kind: arrays are indexed, other sequences become `SubDataset`.
+    The shard, of the same kind: arrays are indexed, other sequences become `SubDataset`;
+    ``(shard, mask)`` when `return_mask`.
 
   Example:
     >>> x, y = np.arange(20).reshape(10, 2), np.arange(10)
     >>> x_local, y_local = mnjax.scatter_dataset((x, y), comm, shuffle=True, seed=0)
     >>> bool((x_local[:, 0] // 2 == y_local).all())      # rows stay paired
     True
+    >>> shard, mask = mnjax.scatter_dataset(["only"], comm, return_mask=True)
+    >>> list(shard), bool(mask.sum()) == (comm.rank == comm.size - 1)  # counted once
+    (['only'], True)
   """
   check_communicator(comm, "scatter_dataset")
-  if kwargs.get("return_mask"):
-    raise ValueError("scatter_dataset: return_mask is for scatter_index; call it directly.")
   leaves = jax.tree_util.tree_leaves(dataset)
-  if leaves and all(hasattr(leaf, "shape") and getattr(leaf, "ndim", 0) >= 1 for leaf in leaves):
+  arrays = bool(leaves) and all(hasattr(leaf, "shape") and getattr(leaf, "ndim", 0) >= 1
+                                for leaf in leaves)
+  if arrays:
     lengths = {int(leaf.shape[0]) for leaf in leaves}
     if len(lengths) != 1:
       raise ValueError(
           "scatter_dataset: all arrays of the dataset must have the same number of"
           f" examples (leading dimension), got {sorted(lengths)}."
       )
-    idx = scatter_index(lengths.pop(), comm, **kwargs)
-    return jax.tree_util.tree_map(lambda a: a[idx], dataset)
-  if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-    return SubDataset(dataset, scatter_index(len(dataset), comm, **kwargs))
-  raise TypeError(
-      "scatter_dataset: expected an array, a pytree of arrays or a sequence (len and []),"
-      f" got {type(dataset).__name__}."
-  )
+    n = lengths.pop()
+  elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+    n = len(dataset)
+  else:
+    raise TypeError(
+        "scatter_dataset: expected an array, a pytree of arrays or a sequence (len and []),"
+        f" got {type(dataset).__name__}."
+    )
+  idx, mask = _scatter_index(n, comm, shuffle=shuffle, seed=seed, epoch=epoch,
+                             force_equal_length=force_equal_length, return_mask=True,
+                             caller="scatter_dataset")
+  shard = (jax.tree_util.tree_map(lambda a: a[idx], dataset) if arrays
+           else SubDataset(dataset, idx))
+  return (shard, mask) if return_mask else shard
 
 
 def local_batch_size(global_batch_size: int, comm: Communicator) -> int:
   """The per-process batch size for a global batch, checked to split evenly.
+
+  Pure arithmetic on ``comm``'s sizes, no communication: `epoch_batches` and
+  `mnjax.data.Loader` compare the global batch across ranks.
 
   Example:
     >>> mnjax.local_batch_size(128, comm) * comm.size    # 32 under mpirun -n 4
@@ -216,7 +296,7 @@ def _slices(n: Any, global_batch_size: Any, rank: Any, size: Any, *, shuffle: bo
     raise ValueError(
         f"{caller}: the global batch size must be a positive multiple of the {size}"
         f" processes, got {global_batch_size!r}. Use a multiple of {size}.")
-  n = _check_n(n, size, caller)
+  n = _check_n(n, caller)
   steps = n // global_batch_size if drop_remainder else -(-n // global_batch_size)
   if steps == 0:
     raise ValueError(
@@ -224,7 +304,7 @@ def _slices(n: Any, global_batch_size: Any, rank: Any, size: Any, *, shuffle: bo
         " use a smaller global batch size (or fewer ranks), or drop_remainder=False."
     )
   per_rank = global_batch_size // size
-  order = _permutation(n, shuffle, seed, epoch)
+  order = _permutation(n, shuffle, seed, epoch, caller)
   positions = (np.arange(steps)[:, None] * global_batch_size + rank * per_rank
                + np.arange(per_rank)[None, :])
   mask = positions < n
@@ -252,7 +332,7 @@ def global_batch_slices(
   any `size`: a pure function, so that property can be checked without launching ranks.
 
   Args:
-    n: number of examples (must be >= `size`).
+    n: number of examples (at least 1; training needs at least ``B``).
     global_batch_size: ``B``, examples per step over all processes (a multiple of `size`).
     rank: this process's rank, ``0 <= rank < size``.
     size: number of processes.
@@ -293,7 +373,10 @@ def epoch_batches(
   slice (its local devices then split that slice in order). So the examples of every step,
   and the replica that sees each one, do not depend on how the replicas are grouped into
   processes and devices: 4 processes x 1 device and 2 x 2 train identically, and both
-  equal one process on the global batch. The arguments are checked when it is called.
+  equal one process on the global batch. The arguments are checked when it is called, and
+  first compared across ranks (`n`, `global_batch_size`, `shuffle`, `seed`, `epoch`,
+  `drop_remainder`: one small host round per call, none at size 1, so call it on every rank,
+  once per epoch): a value that differs on one rank raises `ValueError` on every rank.
 
   Training (``drop_remainder=True``): full global batches only. Evaluation
   (``drop_remainder=False``): the last global batch is padded (index 0, mask False), so a
@@ -307,6 +390,9 @@ def epoch_batches(
     >>> images.shape[0] * comm.size
     32
   """
+  check_communicator(comm, "epoch_batches")
+  check_same_plan(comm, "epoch_batches", _order_values(n, shuffle, seed, epoch)
+                  | {"global_batch_size": global_batch_size, "drop_remainder": drop_remainder})
   local_batch_size(global_batch_size, comm)  # divisible by every replica, not only processes
   indices, mask = _slices(n, global_batch_size, comm.rank, comm.size, shuffle=shuffle,
                           seed=seed, epoch=epoch, drop_remainder=drop_remainder,

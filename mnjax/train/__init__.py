@@ -57,11 +57,11 @@ __all__ = [
     "make_train_step",
     "mean_metrics",
     "parse_flags",
+    "process_local",
     "save_params",
     "skipped_steps",
     "train_loop",
     "train_step",
     "write_config",
     "zero_sums",
-    "process_local",
 ]

@@ -6,8 +6,10 @@ local devices: `data_parallel` maps the step over them with `jax.shard_map` (axi
 ``comm.axis_name``; for ``xla`` the mesh spans every device of every process), splitting the
 batch arguments along their leading axis and replicating everything else (parameters,
 optimizer state). Inside, `allreduce_gradients` sums over the local axis and across
-processes; user code may reduce over the same axis (flax
-``BatchNorm(axis_name=comm.axis_name)``, ``jax.lax.psum(metrics, comm.axis_name)``).
+processes. User code that reduces over the same axis itself (a ``jax.lax.pmean`` or flax
+``BatchNorm(axis_name=comm.axis_name)`` left from a pmap script) would reduce over this
+process's devices only (every device of the job under ``xla``), so it is refused there
+unless traced inside `process_local`.
 
 Why one `shard_map`ped program per step (measured on 2 processes x 2 emulated devices,
 docs/design/multi_device.md): the cross-process MPI call sits *inside* the mapped step, as

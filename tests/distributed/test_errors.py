@@ -26,15 +26,6 @@ def test_global_batch_not_divisible_by_ranks(comm):
   assert mnjax.local_batch_size(4 * view.size, view) == 4
 
 
-def test_dataset_smaller_than_number_of_ranks(comm):
-  view = comm if comm.size > 1 else dataclasses.replace(comm, size=2)
-  with pytest.raises(ValueError,
-                     match=rf"{view.size - 1} examples cannot be split over {view.size} ranks"):
-    mnjax.scatter_index(view.size - 1, view)
-  with pytest.raises(ValueError, match="cannot be split"):
-    mnjax.scatter_dataset(list(range(view.size - 1)), view)
-
-
 def test_non_float_gradient_leaves(comm):
   tx = optax.chain(mnjax.allreduce_gradients(comm), optax.sgd(0.1))
   grads = {"w": jnp.ones(3), "count": jnp.ones(2, jnp.int32)}
@@ -53,3 +44,25 @@ def test_allreduce_gradients_without_communicator(comm):
     mnjax.allreduce_gradients(None)
   with pytest.raises(TypeError, match="needs an mnjax Communicator"):
     mnjax.allreduce_gradients(comm.mpi_comm)  # a raw MPI communicator is not enough
+
+
+@pytest.mark.parametrize("double_buffering", [False, True])
+def test_an_eager_update_says_what_came_and_to_call_it_in_the_step(comm, double_buffering):
+  """Outside a traced step the exchange cannot run over several replicas (a Python float leaf
+  used to end in a raw AttributeError); hierarchical has two replicas in one process too."""
+  kc = comm if comm.num_replicas > 1 else mnjax.create_communicator("hierarchical")
+  if kc.num_replicas == 1:
+    pytest.skip("needs several replicas (two local devices, or mpirun)")
+  tx = mnjax.allreduce_gradients(kc, double_buffering=double_buffering)
+  grads = {"w": 1.0}
+  with pytest.raises(ValueError, match=r"(?s)outside a traced step.*leaf \['w'\] is a Python"
+                                       r" float \(1\.0\).*inside the jitted step"):
+    tx.update(grads, tx.init(grads))
+  with pytest.raises(ValueError, match=r"(?s)outside a traced step.*float32\[3\]"):
+    tx.update({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}))
+
+
+def test_a_python_float_leaf_in_a_traced_update_is_a_float32(comm):
+  tx = mnjax.allreduce_gradients(comm)
+  out = jax.jit(lambda state: tx.update({"w": 1.0}, state)[0])(tx.init({"w": 1.0}))
+  assert float(out["w"]) == 1.0

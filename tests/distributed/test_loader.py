@@ -91,6 +91,29 @@ def test_loader_checks_its_batch_at_construction(comm):
       Loader(source, several, devices + 1, lambda image, rng: image, train=False)
 
 
+class Empty:
+  def __len__(self):
+    return 0
+
+  def __getitem__(self, index):
+    raise IndexError(index)
+
+
+def test_loader_refuses_an_empty_source_but_evaluates_one_smaller_than_the_ranks(comm):
+  for train in (True, False):  # nothing to train or evaluate on: said at construction
+    with pytest.raises(ValueError, match=r"Loader: the dataset is empty \(0 examples\)"):
+      Loader(Empty(), comm, 1, lambda image, rng: image, train=train)
+  # One example over every rank (ChainerMN scatters it too): one padded step, counted once.
+  loader = Loader(source := open_source("synthetic", "test", image_size=4, synthetic_size=1),
+                  comm, 1, lambda image, rng: image, train=False)
+  batches = list(loader.epoch(0))
+  assert len(batches) == loader.steps() == 1 and batches[0].images.shape == (1, 4, 4, 3)
+  assert gathered(comm, batches[0].indices[batches[0].mask]).tolist() == [0]
+  if comm.size > 1:  # training on it: no full global batch
+    with pytest.raises(ValueError, match="no full global batch"):
+      Loader(source, comm, 1, lambda image, rng: image, train=True)
+
+
 def test_loader_stops_cleanly_and_reports_worker_errors(comm):
   source = open_source("synthetic", "train", image_size=8, synthetic_size=64)
   train, _ = augment.transforms("synthetic", image_size=8)

@@ -151,9 +151,92 @@ def test_replicas_see_one_process_global_batches_under_any_grouping(comm, kind):
   assert steps == len(one[0]) == -(-n // global_batch)
 
 
-def test_an_empty_dataset_says_so_instead_of_suggesting_fewer_ranks(comm):
-  with pytest.raises(ValueError, match=r"the dataset is empty \(0 examples\)") as error:
-    mnjax.scatter_index(0, comm)
-  assert "at most" not in str(error.value)
-  with pytest.raises(ValueError, match="the dataset is empty"):
-    mnjax.scatter_dataset([], comm)
+def test_an_empty_dataset_scatters_to_empty_shards_but_is_refused_for_batches(comm):
+  # ChainerMN scatters an empty dataset (empty shards); a training loop must not run on it.
+  idx, mask = mnjax.scatter_index(0, comm, return_mask=True)
+  assert idx.shape == mask.shape == (0,) and idx.dtype == np.int64 and mask.dtype == bool
+  assert mnjax.scatter_index(0, comm, force_equal_length=False).shape == (0,)
+  assert len(mnjax.scatter_dataset([], comm)) == 0
+  assert mnjax.scatter_dataset(np.array([]), comm).shape == (0,)
+  for drop_remainder in (True, False):
+    with pytest.raises(ValueError, match=r"the dataset is empty \(0 examples\)") as error:
+      mnjax.epoch_batches(0, comm, comm.size, shuffle=True, drop_remainder=drop_remainder)
+    assert "at most" not in str(error.value)
+
+
+# ChainerMN's split (chainermn/datasets/scatter.py), restated from its documented semantics:
+# equal length: rank r reads ceil(n / size) examples from floor(n * r / size) on (the short
+# ranks' last ones are the next rank's first: duplicates); otherwise an exact partition in
+# rank order, the first n % size ranks one example more.
+def chainermn_bounds(n, rank, size, force_equal_length):
+  if force_equal_length:
+    begin = n * rank // size
+    return begin, begin + -(-n // size)
+  q, rem = divmod(n, size)
+  begin = rank * q + min(rank, rem)
+  return begin, begin + q + (rank < rem)
+
+
+def test_scatter_index_ten_over_three_gives_the_remainder_to_the_first_ranks():
+  bounds = [mnjax.data.shard_bounds(10, r, 3, force_equal_length=False)[:2]
+            for r in range(3)]
+  assert bounds == [(0, 4), (4, 7), (7, 10)]  # ChainerMN's test_scatter_index_one
+
+
+@pytest.mark.parametrize("n,size", [(10, 3), (1244, 23), (2, 1), (230945, 237), (0, 3), (1, 2),
+                                    (5, 3), (11, 4), (3, 7)])
+@pytest.mark.parametrize("force_equal_length", [True, False])
+def test_shard_bounds_are_chainermn_for_every_rank(n, size, force_equal_length):
+  kept = []
+  for rank in range(size):
+    begin, end, real_end = mnjax.data.shard_bounds(n, rank, size,
+                                                              force_equal_length=force_equal_length)
+    assert (begin, end) == chainermn_bounds(n, rank, size, force_equal_length)
+    assert begin <= real_end <= end <= n
+    kept.extend(range(begin, real_end))
+  assert kept == list(range(n))  # the unmasked part: every example once, in order
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 10, 11, 97])
+@pytest.mark.parametrize("force_equal_length", [True, False])
+def test_scatter_index_is_chainermns_split_on_real_ranks(comm, n, force_equal_length):
+  idx, mask = mnjax.scatter_index(n, comm, force_equal_length=force_equal_length,
+                                  return_mask=True)
+  begin, end = chainermn_bounds(n, comm.rank, comm.size, force_equal_length)
+  assert idx.tolist() == list(range(begin, end))
+  kept = gather(comm, idx[mask].tolist())
+  assert sorted(sum(kept, [])) == list(range(n))  # the mask leaves each example once
+  if not force_equal_length:
+    assert mask.all()  # an exact partition: nothing is padding
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_scatter_dataset_as_chainermns_own_test_checks_it(comm, shuffle):
+  # chainermn_tests/datasets_tests/test_scatter.py: equal sizes, n <= size * shard <
+  # n + size, and the shards' union is the dataset, for [], [0], range(size), range(5 size - 1).
+  for n in (0, 1, comm.size, 5 * comm.size - 1):
+    for data in (list(range(n)), np.arange(n), np.arange(n, dtype=np.float32)):
+      mine = mnjax.scatter_dataset(data, comm, shuffle=shuffle, seed=0)
+      shards = gather(comm, [int(mine[i]) for i in range(len(mine))])
+      (length,) = {len(s) for s in shards}
+      assert length * comm.size >= n > (length - 1) * comm.size
+      assert set(sum(shards, [])) == set(range(n))
+
+
+def test_one_example_over_several_ranks_is_duplicated_and_masked(comm):
+  shard, mask = mnjax.scatter_dataset(["only"], comm, return_mask=True)
+  assert list(shard) == ["only"] and mask.shape == (1,)
+  assert sum(gather(comm, int(mask.sum()))) == 1  # counted once over all ranks
+  (xs, ys), mask = mnjax.scatter_dataset((np.ones((1, 3)), np.arange(1)), comm, return_mask=True)
+  assert xs.shape == (1, 3) and ys.tolist() == [0] and mask.shape == (1,)
+  exact = mnjax.scatter_dataset(["only"], comm, force_equal_length=False)
+  assert gather(comm, len(exact)) == [1] + [0] * (comm.size - 1)  # the first rank has it
+
+
+def test_evaluation_batches_of_fewer_examples_than_ranks_are_masked(comm):
+  seen = [idx[mask].tolist() for idx, mask in
+          mnjax.epoch_batches(1, comm, comm.size, shuffle=False, drop_remainder=False)]
+  assert len(seen) == 1 and sorted(sum(sum(gather(comm, seen), []), [])) == [0]
+  if comm.size > 1:  # training on it: no full global batch, said on every rank
+    with pytest.raises(ValueError, match="1 examples make no full global batch"):
+      mnjax.epoch_batches(1, comm, comm.size, shuffle=True)

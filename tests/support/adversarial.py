@@ -144,9 +144,33 @@ def batch_argnums_past_the_arguments(comm):
 
 
 @case
-def scatter_index_empty(comm):
+def epoch_batches_empty(comm):
   import mnjax
-  mnjax.scatter_index(0, comm)
+  list(mnjax.epoch_batches(0, comm, comm.size, shuffle=True))
+
+
+@case
+def epoch_batches_seed_per_rank(comm):
+  import mnjax
+  list(mnjax.epoch_batches(64, comm, 2 * comm.size, shuffle=True, seed=comm.rank))
+
+
+@case
+def learning_rate_per_rank(comm):
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import mnjax
+  tx = optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-2 * (1 + comm.rank)))
+
+  def step(params, opt_state, x):
+    grads = jax.grad(lambda p: jnp.mean((x @ p) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = jnp.ones((3, 2))
+  mnjax.data_parallel(step, comm, batch_argnums=(2,))(params, tx.init(params), jnp.ones((2, 3)))
 
 
 @case
@@ -196,7 +220,7 @@ def classify(returncode: int | None, output: str, ranks: int, leaving: int = 0) 
 
 # Messages mnjax raises start with the public name of the call that raised.
 _MNJAX_PREFIXES = ("SyncBatchNorm", "broadcast", "allreduce", "data_parallel", "scatter_index",
-                   "rank ")
+                   "epoch_batches", "rank ")
 LEAVING = {"one_rank_leaves_during_broadcast": 1}
 
 

@@ -13,13 +13,13 @@ def prog(fn, *args, sources=False):
 
 
 def test_the_same_function_gives_the_same_program_and_digest():
-  f = lambda x: jnp.tanh(x * 2.0).sum()  # noqa: E731
+  f = lambda x: jnp.tanh(x * 2.0).sum()
   assert prog(f, jnp.ones(3)) == prog(f, jnp.ones(3))
   assert prog(f, jnp.ones(3)).digest() == prog(f, jnp.ones(3)).digest()
 
 
 def test_arguments_are_compared_by_shape_and_dtype_only():
-  f = lambda x: x + 1.0  # noqa: E731
+  f = lambda x: x + 1.0
   assert prog(f, jnp.zeros(3)).digest() == prog(f, jnp.full(3, 7.0)).digest()
   assert prog(f, jnp.zeros(3)).digest() != prog(f, jnp.zeros(4)).digest()
   assert prog(f, jnp.zeros(3)).digest() != prog(f, jnp.zeros(3, jnp.int32)).digest()
