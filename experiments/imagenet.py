@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import warnings
 from pathlib import Path
 from typing import ClassVar
 
@@ -139,8 +138,6 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
 
 def main(argv: list[str] | None = None) -> None:
   config = parse_args(argv)
-  # This script reads comm.rank and comm.size, never jax.process_index(): skip the reminder.
-  warnings.filterwarnings("ignore", message="mnjax: jax.process_index")
   comm = mnjax.create_communicator(config.comm)
   _, record = train_and_evaluate(config, comm)
   if comm.is_root:

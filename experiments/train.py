@@ -27,7 +27,6 @@ bit for bit:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 from typing import ClassVar
 
@@ -93,8 +92,6 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
 
 def main(argv: list[str] | None = None) -> None:
   config = parse_args(argv)
-  # This script reads comm.rank and comm.size, never jax.process_index(): skip the reminder.
-  warnings.filterwarnings("ignore", message="mnjax: jax.process_index")
   comm = mnjax.create_communicator(config.comm)  # kinds: mnjax.KINDS
   _, record = train_and_evaluate(config, comm)
   if comm.is_root:

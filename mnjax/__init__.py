@@ -33,13 +33,13 @@ from mnjax.nn import SyncBatchNorm, allreduce_persistent
 from mnjax.optim import (
     accumulate_gradients,
     allreduce_gradients,
+    create_multi_node_optimizer,
     raise_if_diverging,
     recipes,
     shard_optimizer,
     skip_nonfinite,
 )
-from mnjax.train import (
-    allreduce_metrics, data_parallel, global_mean, mean_metrics, process_local)
+from mnjax.train import allreduce_metrics, data_parallel, global_mean, mean_metrics, process_local
 
 __version__ = "0.1.0"
 
@@ -61,6 +61,7 @@ __all__ = [
     "comm",
     "costmodel",
     "create_communicator",
+    "create_multi_node_optimizer",
     "data",
     "data_parallel",
     "epoch_batches",

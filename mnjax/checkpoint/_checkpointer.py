@@ -6,7 +6,10 @@ orbax-checkpoint, and restores it exactly:
 
 - **One writer.** Under plain ``mpirun`` every process is its own single-process JAX, so
   orbax cannot coordinate the ranks; replicas are identical anyway, so rank 0 writes and
-  the others only check that they are saving the same step.
+  the others only check that they are saving the same step and the same values: state that
+  differs between replicas (an unflushed double-buffered gradient, per-replica BatchNorm
+  statistics, a per-rank key) would be lost on restore, and is refused on every rank with
+  the fix (`mnjax.checkpoint._per_rank`).
 - **Atomic.** Orbax writes into a temporary directory and renames it when complete; a save
   killed half-way is never listed, never loaded. The last ``keep`` checkpoints are kept; an
   older one is deleted only once the newer one is on disk (orbax would delete it even when
@@ -42,6 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mnjax.checkpoint import _per_rank as per_rank
 from mnjax.checkpoint import _sharded as sharded
 from mnjax.checkpoint._template import (
     like,
@@ -54,7 +58,6 @@ from mnjax.checkpoint._template import (
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._digest import compare_digests, tree_digests
 from mnjax.comm._host import broadcast
-from mnjax.optim._accumulation import AccumulationState
 
 __all__ = ["CheckpointSaveError", "CheckpointTemplateError", "Checkpointer",
            "CorruptCheckpointError"]
@@ -147,8 +150,11 @@ class Checkpointer:
       meta: JSON-serialisable extras restored with it (epoch, data position, config).
 
     Raises:
-      ValueError: on every rank, when the ranks save different steps, or sharded optimizer
-        states that are not each rank's own share of the same tree.
+      ValueError: on every rank, when the ranks save different steps, sharded optimizer
+        states that are not each rank's own share of the same tree, an accumulate_gradients
+        cycle half done, or leaves (or `meta`) that differ between replicas: rank 0's copy
+        would be everyone's on restore (a double-buffered pending gradient must be flushed
+        first, with `mnjax.train.flush_pending`).
     """
     step = int(step)
     steps = self.comm.mpi_comm.allgather(step) if self.comm.size > 1 else [step]
@@ -156,7 +162,9 @@ class Checkpointer:
       raise ValueError(
           f"Checkpointer.save: the ranks are saving different steps {steps}; every rank"
           " must call save at the same step (replicas are identical only at equal steps).")
-    wrong = sharded.check(self.comm, state, "Checkpointer.save") or _mid_cycle(self.comm, state)
+    wrong = (sharded.check(self.comm, state, "Checkpointer.save")
+             or per_rank.mid_cycle(self.comm, state)
+             or per_rank.differences(self.comm, state, meta))  # every rank: one allgather
     if wrong:
       raise ValueError(f"{wrong} Nothing was saved.")
     wholes = sharded.gather(self.comm, state)  # every rank: the shares go to rank 0
@@ -409,19 +417,3 @@ class Checkpointer:
             f" reads back intact: {'; '.join(problems)}. Nothing was loaded. Restore a copy"
             " of the directory, or move it away to start from scratch."), None
 
-
-def _mid_cycle(comm: Communicator, state: Any) -> str:
-  """Why `state` cannot be saved: an `accumulate_gradients` cycle half done with several
-  replicas, whose gradient sum is each replica's own (rank 0 writes only its own); ''."""
-  if comm.num_replicas == 1:
-    return ""
-  found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, AccumulationState))
-           if isinstance(s, AccumulationState)]
-  steps = [int(np.asarray(s.micro_step).reshape(-1)[0]) for s in found]
-  if not any(steps):
-    return ""
-  return (f"Checkpointer.save: the optimizer state is inside an accumulate_gradients cycle"
-          f" (micro-step {max(steps)}): its gradient sum so far is each replica's own and"
-          " rank 0 writes only its own, so a resumed run would lose the other replicas'"
-          " micro-batches. Save after a whole cycle (when the step count is a multiple of"
-          " every_k).")

@@ -97,7 +97,8 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   # what travels sums to the mean: fp16's range), and where the whole reduction is the
   # 16-bit exchange (no float32 local psum first) leaves are packed straight into the wire
   # dtype: one pass over the gradients instead of two.
-  half_pack = wire_dtype is not None and comm.kind in ("flat", "single_node", "xla")
+  half_pack = wire_dtype is not None and (comm.kind in ("flat", "xla") or (
+      comm.kind == "single_node" and comm.size == 1))
   for k, bucket in enumerate(buckets):
     members = [leaves[i] for i in bucket.positions]
     sequence.note_collective(  # the step's fingerprint (`mnjax.guard._preflight`)
@@ -263,9 +264,15 @@ def _two_dimensional(buf, comm, wire_dtype, after):
   return jax.lax.all_gather(shard, comm.axis_name, tiled=True)[: buf.size]
 
 
+def _single_node(buf, comm, wire_dtype, after):
+  """One process: XLA's collectives over its devices. Several, all on one node (checked by
+  `create_communicator`): psum within each, MPI among them, as ``hierarchical``."""
+  return (_axis if comm.size == 1 else _hierarchical)(buf, comm, wire_dtype, after)
+
+
 _REDUCERS = {
     "flat": _flat,
-    "single_node": _axis,
+    "single_node": _single_node,
     "xla": _axis,  # the axis spans every device of every process: XLA's own collectives
     "hierarchical": _hierarchical,
     "two_dimensional": _two_dimensional,

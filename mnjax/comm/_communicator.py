@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Any
 
 from mpi4py import MPI
@@ -23,6 +22,7 @@ from mnjax.comm import _cuda_mpi as cuda_mpi
 from mnjax.comm import _departures as departures
 from mnjax.comm import _devices as devices_lib
 from mnjax.comm import _failfast as failfast
+from mnjax.comm import _process_view as process_view
 
 __all__ = ["KINDS", "Communicator", "check_communicator", "create_communicator", "resolve_kind"]
 
@@ -31,7 +31,8 @@ KINDS: dict[str, str] = {
     "flat": "one MPI process per device; one MPI allreduce of the fused gradient buffer",
     "hierarchical": "psum over local devices, then MPI allreduce among processes",
     "two_dimensional": "reduce-scatter over local devices, shards allreduced across nodes",
-    "single_node": "psum over the local devices of a single process, no MPI traffic",
+    "single_node": "every process on one node: psum over local devices, MPI among the"
+                   " node's processes (none with one process)",
     "xla": "JAX-native: jax.distributed + a global mesh, psum across all devices",
 }
 
@@ -175,6 +176,26 @@ def resolve_kind(kind: str) -> str:
   return "xla" if devices_lib.gpus_expected(devices_lib.gpu_inventory()) else "flat"
 
 
+def _check_same_kind(asked: list[tuple[str, str]]) -> None:
+  """Every rank's (requested, resolved) kind, by rank: one error on every rank unless every
+  rank resolved the same kind, naming what each rank asked for."""
+  chosen = [k for _, k in asked]
+  if len(set(chosen)) == 1:
+    return
+  if all(a == "auto" for a, _ in asked):
+    raise ValueError(
+        f"create_communicator('auto') chose different kinds on different ranks ({chosen}):"
+        " some nodes see GPUs and others do not. Pass the kind explicitly."
+    )
+  groups: dict[str, list[int]] = {}
+  for rank, (a, k) in enumerate(asked):
+    groups.setdefault(f"{a!r}" + (f" (which chose {k!r})" if a == "auto" else ""), []).append(rank)
+  per_kind = ", ".join(f"{what} on ranks {ranks}" for what, ranks in groups.items())
+  raise ValueError(
+      f"create_communicator: the ranks asked for different kinds: {per_kind}. Every rank must"
+      " build the same kind (their gradient exchanges differ and would never match): pass"
+      " the same kind on every rank (one --comm flag for the whole job, not one per rank)."
+  )
 
 
 def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int,
@@ -252,13 +273,16 @@ def create_communicator(
   Args:
     kind: how gradients are reduced; one of `KINDS`. ``flat``: one MPI process per device.
       ``hierarchical``, ``two_dimensional``, ``single_node``: one process drives its local
-      devices; run the step with `mnjax.data_parallel`. ``auto``: ``xla`` (NCCL) where
+      devices; run the step with `mnjax.data_parallel`. ``single_node``: every process on
+      one node (ChainerMN's: one process, or one per device, or several devices each);
+      refused across nodes. ``auto``: ``xla`` (NCCL) where
       JAX will run on GPUs, ``flat`` on CPUs (`resolve_kind`).
     mpi_comm: the MPI communicator whose processes train together (default:
       ``MPI.COMM_WORLD``); mnjax uses a private clone of it. ``MPI.COMM_SELF`` gives a
       size-1 communicator.
-    axis_name: name of the mapped local-device axis, for user code that reduces over it
-      (e.g. flax ``BatchNorm(axis_name=comm.axis_name)``).
+    axis_name: name of the mapped local-device axis (under ``xla``: every device of the
+      job); user reductions over it are process-local under the other multi-device kinds,
+      which `mnjax.data_parallel` refuses outside `mnjax.process_local`.
     local_devices: for the multi-device kinds, how many local devices to drive (default:
       this process's share of its node's devices, `mnjax.comm._devices.plan_devices`; ``xla``
       always uses its whole share).
@@ -276,8 +300,10 @@ def create_communicator(
 
   JAX's process view: under the MPI kinds ``jax.process_index()`` and
   ``jax.process_count()`` stay 0 and 1 on every rank (only ``xla`` starts jax.distributed);
-  use ``comm.rank``, ``comm.size`` and ``comm.is_root`` instead. With several ranks, rank 0
-  warns once (a `UserWarning` starting ``mnjax: jax.process_index``).
+  use ``comm.rank``, ``comm.size`` and ``comm.is_root`` instead. A correct port hears
+  nothing; where the script calls ``jax.process_index()`` or ``jax.process_count()``, every
+  rank but 0 warns once per calling line (a `UserWarning` starting ``mnjax:
+  jax.process_index``; `mnjax.comm._process_view`).
 
   Returns:
     A frozen, hashable `Communicator`.
@@ -302,25 +328,15 @@ def create_communicator(
   if kind == "xla" and local_devices is not None:
     raise ValueError("create_communicator: kind 'xla' uses every device this process drives;"
                      " drop local_devices.")
-  if kind == "single_node" and mpi_comm.size > 1:
-    raise ValueError(
-        f"create_communicator: kind 'single_node' reduces over the devices of one process"
-        f" only, but this job has {mpi_comm.size} processes. Run it without mpirun, or"
-        " use kind 'hierarchical' to add MPI between processes."
-    )
   if not isinstance(share_devices, bool):
     raise TypeError(f"create_communicator: share_devices must be a bool, got {share_devices!r}.")
   clone = mpi_comm.Clone()
   # A normal exit tells the peers (`mnjax.comm._departures`). Registered before
   # jax.distributed starts (``xla``), so that at exit it runs after jax's own shutdown.
   departures.announce()
-  kind = devices_lib.agree(clone, resolve_kind, kind)
-  if len(set(clone.allgather(kind))) > 1:
-    raise ValueError(
-        f"create_communicator('auto') chose different kinds on different ranks"
-        f" ({clone.allgather(kind)}): some nodes see GPUs and others do not. Pass the kind"
-        " explicitly."
-    )
+  resolved = devices_lib.agree(clone, resolve_kind, kind)
+  _check_same_kind(clone.allgather((kind, resolved)))
+  kind = resolved
   node = devices_lib.agree(clone, _node_split, clone)
   intra_rank, intra_size = node.rank, node.size
   # Node index: count the node leaders (node-local rank 0) that come before ours.
@@ -328,6 +344,14 @@ def create_communicator(
   inter_size = clone.allreduce(leader)
   before = clone.exscan(leader)
   inter_rank = node.bcast(before or 0, root=0)
+  if kind == "single_node" and inter_size > 1:  # inter_size is the same on every rank
+    node.Free()
+    raise ValueError(
+        f"create_communicator: kind 'single_node' keeps every exchange on one node, but the"
+        f" {clone.size} processes are on {inter_size} nodes. Launch them all on one node, or"
+        " use kind 'hierarchical' (psum over each process's devices, MPI between processes,"
+        " on any number of nodes) or 'flat' (one process per device)."
+    )
   started = clone.allgather(_jax_started())
   if len(set(started)) > 1:
     raise ValueError(
@@ -348,7 +372,8 @@ def create_communicator(
         " and the collectives assume one layout). Launch the same number of processes on"
         " every node with the same GPUs each, or pass local_devices=."
     )
-  if devices[0].platform == "gpu" and kind in ("flat", "hierarchical", "two_dimensional"):
+  if devices[0].platform == "gpu" and (kind in ("flat", "hierarchical", "two_dimensional")
+                                       or (kind == "single_node" and clone.size > 1)):
     # mpi4jax's CUDA handlers carry these kinds' in-step collectives: check them now, on
     # every rank, rather than at the first step (`mnjax.comm._cuda_mpi`).
     devices_lib.agree(clone, cuda_mpi.configure)
@@ -377,30 +402,6 @@ def create_communicator(
       device_comms=tuple(clone.Clone() for _ in devices) if kind in MULTI_DEVICE_KINDS else (),
       devices=devices,
   )
-  _warn_if_jax_disagrees(comm)
+  process_view.watch(comm)
   return comm
 
-
-def _warn_if_jax_disagrees(comm: Communicator) -> None:
-  """Once, on rank 0: JAX's process view is not the job's (the MPI kinds, several ranks).
-
-  Ported ``pmap`` code picks its data shard and its writing process by
-  ``jax.process_index()``; under the MPI kinds that is 0 on every rank, so every rank would
-  read shard 0 and write files, silently. JAX cannot be told otherwise without starting
-  jax.distributed, which the MPI kinds deliberately do not (kind ``xla`` does).
-  """
-  import jax  # noqa: PLC0415 (started by devices_lib.choose_devices)
-
-  if comm.kind == "xla" or comm.size == 1 or comm.rank != 0 or jax.process_count() == comm.size:
-    return
-  warnings.warn(
-      f"mnjax: jax.process_index() is {jax.process_index()} and jax.process_count() is"
-      f" {jax.process_count()} in this {comm.size}-process job (kind {comm.kind!r} runs over"
-      " MPI and does not start jax.distributed). Code that picks its data shard or the"
-      " process that writes by them (flax's examples, tfds.split_for_jax_process,"
-      " flax.training.checkpoints) would read shard 0 and write on every rank. Use"
-      " comm.rank for jax.process_index(), comm.size for jax.process_count() and"
-      " comm.is_root for jax.process_index() == 0 (README, \"Porting a pmap script\"). Once the"
-      " script does, silence this with warnings.filterwarnings('ignore',"
-      " message='mnjax: jax.process_index').",
-      UserWarning, stacklevel=3)

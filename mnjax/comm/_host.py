@@ -23,6 +23,7 @@ host collective issued while a step still runs asynchronously is never matched w
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,11 +39,15 @@ from mnjax.comm._communicator import Communicator, check_communicator
 
 __all__ = [
     "allreduce", "allreduce_persistent", "broadcast", "check_numbers", "check_same_tree",
-    "fuse", "gather_if_different", "is_number", "leaf_paths", "reduce_arrays", "split",
-    "tree_containers", "tree_signature",
+    "fuse", "gather_if_different", "is_number", "leaf_paths", "reduce_arrays", "shares_in",
+    "split", "tree_containers", "tree_signature",
 ]
 
 _HASH_BYTES = 16
+
+#: The key `mnjax.optim.ShardedState` gives its one child (``.shard_<index>_of_<parts>``) so
+#: that tools for replicated trees can tell a rank's own share of the optimizer state.
+_SHARE_KEY = re.compile(r"\.shard_\d+_of_\d+")
 
 
 def leaf_paths(tree: Any) -> list[str]:
@@ -54,6 +59,24 @@ def leaf_paths(tree: Any) -> list[str]:
   """
   return [jax.tree_util.keystr(path) or "<root>"
           for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def shares_in(tree: Any) -> list[str]:
+  """The paths of the `mnjax.shard_optimizer` states (`mnjax.optim.ShardedState`) in `tree`,
+  each ending in its share's key: this rank's own share of the optimizer state, different
+  on every rank by design.
+
+  Example:
+    >>> state = {"opt": mnjax.shard_optimizer(comm, optax.adam(0.1)).init({"w": jnp.ones(3)})}
+    >>> shares_in(state), shares_in({"w": jnp.ones(3)})
+    (["['opt'].shard_0_of_1"], [])
+  """
+  found: list[str] = []
+  for path in leaf_paths(tree):
+    match = _SHARE_KEY.search(path)
+    if match and path[:match.end()] not in found:
+      found.append(path[:match.end()])
+  return found
 
 
 def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
@@ -333,7 +356,9 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
   state. Every rank passes a tree of the same structure, shapes and dtypes (e.g. parameters
   initialised from any seed) with the same containers (a list everywhere, not a tuple on
   some rank), and the same `root`; otherwise a `ValueError` naming the ranks and the first
-  difference is raised on every rank and nothing is transferred.
+  difference is raised on every rank and nothing is transferred. A tree holding
+  `mnjax.shard_optimizer`'s state is refused (each rank's share differs by design):
+  broadcast the parameters and build that state from them on every rank.
 
   Args:
     tree: pytree of arrays (jax or numpy) or scalars.
@@ -351,6 +376,17 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
     [0.0, 0.0, 0.0]
   """
   check_communicator(comm, "broadcast")
+  shares = shares_in(tree)
+  if shares:  # local, and so on every rank: every rank holds its own share
+    raise ValueError(
+        f"broadcast: the tree holds mnjax.shard_optimizer's state at {shares[0]}"
+        f"{f' (and {len(shares) - 1} more)' if len(shares) > 1 else ''}: each rank holds"
+        " its own share of the optimizer state, different on every rank by design, so no"
+        " rank's copy is everyone's. Broadcast the parameters only"
+        " (params = mnjax.broadcast(params, comm)), then build the optimizer state from them"
+        " on every rank (opt_state = tx.init(params): each rank gets its share); to move a"
+        " whole optimizer state, use mnjax.optim.gather_optimizer_state and"
+        " scatter_optimizer_state. Nothing was exchanged.")
   valid_root = isinstance(root, (int, np.integer)) and not isinstance(root, bool) and (
       0 <= root < comm.size)
   leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -381,7 +417,8 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
 
 
 def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
-  """The mean over ranks of every leaf of `tree` (ChainerMN's ``AllreducePersistent``).
+  """The mean over ranks of every float leaf of `tree` (ChainerMN's ``AllreducePersistent``);
+  integer and bool leaves pass through unchanged, checked to be equal on every rank.
 
   For running statistics of per-rank ``nn.BatchNorm`` layers (which drift apart across
   ranks): call it on the ``batch_stats`` collection before evaluating or saving, so every
@@ -390,19 +427,61 @@ def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
   raises the same error everywhere. Sums run in float64; each leaf keeps its dtype, and jax
   arrays come back as jax arrays.
 
+  Integer and bool leaves (counters such as ``num_batches_tracked``) are not averaged, as
+  ChainerMN skips integer persistents; but where they differ between ranks, a rank-0
+  checkpoint or evaluation would silently use rank 0's: one more round (a 16-byte hash of
+  their values, only when the tree has such leaves) raises a `ValueError` on every rank
+  naming the first leaf that differs, before any value is averaged.
+
   Example:
-    >>> stats = {"mean": jnp.full(2, float(comm.rank))}  # e.g. state.batch_stats, per rank
+    >>> stats = {"mean": jnp.full(2, float(comm.rank)), "count": np.int32(7)}  # per rank
     >>> stats = mnjax.allreduce_persistent(stats, comm)  # before evaluating or saving
-    >>> stats["mean"].tolist() == [(comm.size - 1) / 2] * 2
-    True
+    >>> stats["mean"].tolist() == [(comm.size - 1) / 2] * 2, int(stats["count"])
+    (True, 7)
   """
-  check_communicator(comm, "allreduce_persistent")
-  totals = allreduce(tree, comm, caller="allreduce_persistent", floats_only=True)
+  caller = "allreduce_persistent"
+  check_communicator(comm, caller)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  arrays = [np.asarray(leaf) for leaf in leaves]
+  check_same_tree(jax.tree_util.tree_unflatten(treedef, arrays), comm, caller)
+  kept = [a.dtype == np.bool_ or bool(jnp.issubdtype(a.dtype, jnp.integer)) for a in arrays]
+  check_numbers(jax.tree_util.tree_unflatten(  # the same tree everywhere: every rank raises
+      treedef, [np.float32(0) if k else a for a, k in zip(arrays, kept)]), caller,
+      floats_only=True)
   if comm.size == 1:
     return tree
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  out = []
-  for leaf, total in zip(leaves, jax.tree_util.tree_leaves(totals)):
-    mean = (total / comm.size).astype(np.asarray(leaf).dtype)
-    out.append(jnp.asarray(mean) if isinstance(leaf, jax.Array) else mean)
+  if any(kept):
+    _check_equal_leaves([(p, a) for p, a, k in zip(leaf_paths(tree), arrays, kept) if k],
+                        comm, caller)
+  averaged = [i for i, k in enumerate(kept) if not k]
+  totals = reduce_arrays([arrays[i].astype(_sum_dtype(arrays[i].dtype)) for i in averaged], comm)
+  out = list(leaves)
+  for i, total in zip(averaged, totals):
+    mean = (total / comm.size).astype(arrays[i].dtype)
+    out[i] = jnp.asarray(mean) if isinstance(leaves[i], jax.Array) else mean
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _check_equal_leaves(named: list[tuple[str, np.ndarray]], comm: Communicator,
+                        caller: str) -> None:
+  """Raises the same `ValueError` on every rank unless every rank holds equal values in
+  these ``(path, array)`` leaves (one hash round; the digests travel only on a mismatch)."""
+  digests = tuple(hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=8).hexdigest()
+                  for _, a in named)
+  shown = tuple(a.tolist() if a.size <= 4 else f"{a.dtype}{list(a.shape)} hashing to {d}"
+                for (_, a), d in zip(named, digests))
+  everyone = gather_if_different(comm, (digests, shown), what=f"{caller}'s check of its"
+                                 " integer leaves")
+  if everyone is None:
+    return
+  i = next(i for i in range(len(named)) if len({d[i] for d, _ in everyone}) > 1)
+  others = [rank for rank, (d, _) in enumerate(everyone) if d[i] != everyone[0][0][i]]
+  values = ", ".join(f"rank {rank} {everyone[rank][1][i]}" for rank in [0, *others[:3]])
+  more = f" and {len(others) - 3} more ranks" if len(others) > 3 else ""
+  raise ValueError(
+      f"{caller}: integer/bool leaf {named[i][0]} differs between ranks ({values}{more})."
+      " Such"
+      " leaves (counters, e.g. num_batches_tracked) are passed through, not averaged, so"
+      " every rank must hold the same value: make them equal (count the same steps on every"
+      " rank, or mnjax.broadcast them from rank 0) or drop them from the tree before the"
+      " call. Nothing was averaged.")

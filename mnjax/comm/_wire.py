@@ -47,11 +47,19 @@ _HALF_SUBNORMAL_STEP = {np.dtype(jnp.bfloat16): 2.0**-134, np.dtype(jnp.float16)
 
 
 def check_wire_dtype(wire_dtype: Any, caller: str) -> np.dtype | None:
-  """`wire_dtype` as a numpy dtype (None or float32: full precision), or a ValueError.
+  """`wire_dtype` as a numpy dtype, or None for full precision, or a ValueError.
+
+  None, float32 and float64 mean full precision: every leaf travels and is summed in its
+  own dtype. float64 is ChainerMN's ``allreduce_grad_dtype=float64`` for a float64 model,
+  and needs ``jax_enable_x64`` (without it JAX has no float64 gradients to send); a float32
+  leaf is not widened for the trip (each of its sums is rounded once to float32 either way).
 
   Example:
     >>> check_wire_dtype(jnp.bfloat16, "allreduce_gradients")
     dtype(bfloat16)
+    >>> with jax.enable_x64(True):
+    ...   print(check_wire_dtype(jnp.float64, "allreduce_gradients"))
+    None
   """
   if wire_dtype is None:
     return None
@@ -59,13 +67,23 @@ def check_wire_dtype(wire_dtype: Any, caller: str) -> np.dtype | None:
     dtype = np.dtype(wire_dtype)
   except TypeError:
     dtype = None
-  if dtype == np.dtype(np.float32):
+  if dtype is not None and dtype == np.dtype(np.float32):
+    return None
+  if dtype is not None and dtype == np.dtype(np.float64):
+    if not jax.config.jax_enable_x64:
+      raise ValueError(
+          f"{caller}: wire_dtype=float64 needs jax_enable_x64, which is off: JAX then makes"
+          " every float64 a float32, so there are no float64 gradients to send. Enable it"
+          " before creating any array (jax.config.update('jax_enable_x64', True), or"
+          " JAX_ENABLE_X64=1) for a float64 model, or pass wire_dtype=None (each gradient"
+          " travels in its own dtype).")
     return None
   if dtype not in WIRE_DTYPES:
     raise ValueError(
         f"{caller}: wire_dtype must be None (gradients travel in their own dtype),"
-        f" jnp.bfloat16 or jnp.float16, got {wire_dtype!r}. bfloat16 keeps float32's range"
-        " (recommended); float16 is more precise but overflows above 65504."
+        f" jnp.float64 (the same, for a float64 model under jax_enable_x64), jnp.bfloat16 or"
+        f" jnp.float16, got {wire_dtype!r}. bfloat16 keeps float32's range (recommended);"
+        " float16 is more precise but overflows above 65504."
     )
   return dtype
 

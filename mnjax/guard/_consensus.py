@@ -23,6 +23,7 @@ import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._digest import compare_across_ranks, tree_digests
+from mnjax.comm._host import shares_in
 
 __all__ = ["check_replicas", "fingerprints"]
 
@@ -54,7 +55,8 @@ def check_replicas(tree: Any, comm: Communicator, *, what: str = "parameters") -
   device by device too.
 
   Args:
-    tree: the pytree that must agree (parameters, optimizer state, batch statistics).
+    tree: the pytree that must agree (parameters, optimizer state, batch statistics); not
+      `mnjax.shard_optimizer`'s state, whose shares differ by design (refused, with the fix).
     comm: the `Communicator`.
     what: its name, for the message.
 
@@ -63,6 +65,15 @@ def check_replicas(tree: Any, comm: Communicator, *, what: str = "parameters") -
     >>> mnjax.check_replicas(params, comm)   # e.g. every 500 steps; raises if they drifted
   """
   check_communicator(comm, "check_replicas")
+  shares = shares_in(tree)
+  if shares:  # local, and so on every rank: every rank holds its own share
+    raise ValueError(
+        f"check_replicas: the {what} hold mnjax.shard_optimizer's state at {shares[0]}"
+        f"{f' (and {len(shares) - 1} more)' if len(shares) > 1 else ''}: each rank holds a"
+        " different share of the optimizer state by design, so it cannot be compared across"
+        " replicas. Compare what must be identical: check_replicas(params, comm) (the"
+        " all-gathered updates keep the parameters identical), and any other replicated"
+        " part of the state without the optimizer state. Nothing was compared.")
   differing, leaves = compare_across_ranks(fingerprints(tree), comm)
   if differing:
     listed = "; ".join(f"{path}: {', '.join(ranks)} differ from rank 0"

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from mnjax.comm import _buckets as bucketing
@@ -167,8 +169,36 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
         timeout=preflight_timeout)
     if double_buffering:  # after the comparison: every rank raises alike, none waits
       double_buffering_lib.check_pending(updates, state, caller)
+    if comm.num_replicas > 1:  # an eager call: before its exchange, on every rank
+      _check_traced(updates, state, params, comm, caller)
+    if double_buffering:
       return double_buffering_lib.double_buffered_update(updates, state, comm, reduce,
                                                          mean=mean)
-    return reduce(updates), state
+    # A Python float is a float32 under jit (`leaf_dtype`): give it that dtype for the buckets.
+    return reduce(jax.tree.map(
+        lambda g: jnp.asarray(g) if isinstance(g, (float, complex)) else g, updates)), state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_traced(updates: Any, state: Any, params: Any, comm, caller: str) -> None:
+  """Raises unless ``update`` runs while a step is traced: over several replicas its
+  exchange runs only inside a compiled step (checked on every rank before the exchange)."""
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((updates, state, params))):
+    return
+  if isinstance(jnp.zeros(()), jax.core.Tracer):  # traced, with constants only
+    return
+  flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+  came = "an empty gradient tree"
+  if flat:
+    path, leaf = flat[0]
+    kind = (f"a Python {type(leaf).__name__} ({leaf!r})" if isinstance(leaf, (int, float, complex))
+            else f"a concrete array {getattr(leaf, 'dtype', type(leaf).__name__)}"
+                 f"{list(jnp.shape(leaf))}")
+    came = f"leaf {jax.tree_util.keystr(path) or '<root>'} is {kind}"
+  raise ValueError(
+      f"{caller}: update was called outside a traced step (eagerly: {came}), but with"
+      f" {comm.num_replicas} replicas its exchange runs only inside a compiled step. Call it"
+      " inside the jitted step, where the gradients are computed: e.g. jax.jit(step) with"
+      " tx.update inside, jax.jit(tx.update)(grads, opt_state, params), or"
+      " mnjax.data_parallel(step, comm) for the multi-device kinds.")

@@ -17,15 +17,20 @@ device's) own, while `mnjax.Checkpointer` saves rank 0's state and broadcasts it
 pending gradient lives in the shard of an array whose shards differ: it stays on the devices
 from step to step, but a host read of it sees device 0's.)
 `mnjax.train.flush_pending` (collective, between steps) replaces it by its global sum, the
-same on every rank and device, marked as reduced: the next step applies it instead of its exchange's
-result. `mnjax.train.train_loop` flushes before every checkpoint and trains on with the
-flushed state, so a run resumed from that checkpoint is bitwise the uninterrupted one.
+same on every rank and device, marked as reduced (`Checkpointer.save` refuses, on every
+rank, a pending gradient that differs between replicas, i.e. one not flushed): the next
+step applies it instead of its exchange's result. `mnjax.train.train_loop` flushes before
+every checkpoint and trains on with the flushed state, so a run resumed from that checkpoint
+is bitwise the uninterrupted one.
 
 What changes for the optimizer: the update at step ``t`` is the global gradient of step
 ``t - 1`` (one step stale, as in ChainerMN); step 0 reduces the zero-initialised state and
-passes a zero gradient down the chain (ChainerMN's behaviour: its first update applies the
-zeroed gradients of the copied model). The rest of the chain still runs at step 0, so
-momentum decays and weight decay applies once. A NaN or Inf in a rank's gradient reaches the
+passes a zero gradient down the chain. ChainerMN's actual optimizer does not run at its first
+step at all (its ``t`` is 0 after step 1); in an ``optax.chain`` the later links cannot be kept
+from running, so there they run at step 0 on the zero gradient and stay one step ahead
+(Adam's count and bias correction, schedules; weight decay applies once more).
+`mnjax.optim.double_buffered_optimizer(tx, comm)` wraps `tx` and keeps its state at step 0,
+as ChainerMN does (`mnjax.optim._double_buffered`). A NaN or Inf in a rank's gradient reaches the
 update one step later, in the reduced sum that every rank holds alike, so `skip_nonfinite`
 after the exchange still skips on every rank together; the bad gradient is then gone from
 the state (the next step stores a new one).

@@ -9,18 +9,23 @@ checks, both local and deterministic (every rank decides alike), both before any
    functions of known whole-tree transformations (`NEEDS_WHOLE_TREE`) are named with the
    alternative;
 2. *by a probe*, at ``init`` (`check_elementwise_on_shares`): `tx` runs two steps on a
-   miniature of the parameter tree (every dimension cut to at most 3, parameters near 100,
-   gradients of magnitude 1e3 then 1e-2), once whole and once as two shares, and the
-   updates must agree (to 1e-5). This catches what no name list knows: a user's own
-   norm-based transformation, a mask or label *function* that reads shapes (shares are 1-D:
-   pass the mask as a pytree of bools computed from the full parameters).
+   miniature of the parameter tree (every dimension cut to at most 3, parameters near 100),
+   once whole and once as two shares, and the updates must agree (to 1e-5); two rounds,
+   with gradients of magnitude 1e3 then 1e-2, and 1e15 then 1e14 (float16 leaves: 0.26
+   then 0.026). This catches what no name list knows: a user's own norm-based
+   transformation (a global-norm clip at any threshold the second round's norms cross, in
+   both steps or in the first: where a clip acts, whole and shares scale differently, also
+   under a scale-free follower like Adam), a mask or label *function* that reads shapes
+   (shares are 1-D: pass the mask as a pytree of bools computed from the full parameters).
 
 Limits, honestly: the name walk sees only functions reachable through closures (not a
 transformation written as a class, nor work done in a module-level helper); the probe tests
-one miniature, not the real shapes and values. A transformation whose behaviour depends on
-dimensions above 3, on a threshold the probe's values never cross (a clip at a norm above
-~1e3 x sqrt(27 x leaf count)), or on values it never sees can pass both and still differ
-on shares. Both checks can only err towards accepting.
+one miniature for two steps, not the real shapes, values and run. Not detected: a threshold
+above the probe's norms (a clip at a global norm above ~1e15 x sqrt(27 x leaf count); for
+float16 leaves above ~0.26 x that square root), behaviour that depends on dimensions above
+3, on the step count beyond two (a clip or statistic that starts later), on values the probe
+never draws (exact zeros, NaN), or on randomness. Both checks can only err towards
+accepting; `clip_global_norm=` is the exact clip on shares.
 """
 
 from __future__ import annotations
@@ -126,8 +131,9 @@ def check_elementwise_on_shares(tx: Any, params: Any, *, caller: str = "shard_op
   """Raises `ValueError` unless `tx` gives the same updates on shares as on whole leaves.
 
   The probe of the module docstring: a miniature of `params` (same tree, ranks and dtypes,
-  every dimension cut to at most 3), two steps with gradients of magnitude 1e3 then 1e-2,
-  whole and as two shares (zero-padded). Local, deterministic: every rank decides alike.
+  every dimension cut to at most 3), two rounds of two steps (gradients of magnitude 1e3
+  then 1e-2, 1e15 then 1e14), whole and as two shares (zero-padded). Local, deterministic:
+  every rank decides alike.
 
   Example:
     >>> check_elementwise_on_shares(optax.adam(1e-3), {"w": jnp.ones((4, 4))})
@@ -140,12 +146,19 @@ def check_elementwise_on_shares(tx: Any, params: Any, *, caller: str = "shard_op
   leaves, treedef = jax.tree.flatten(params)
   rng = np.random.default_rng(0)
 
-  def draw(scale, low=0.0):
-    return jax.tree.unflatten(treedef, [
-        jnp.asarray((low + scale * rng.standard_normal(tuple(min(d, 3) for d in np.shape(x))))
-                    .astype(np.dtype(bucketing.leaf_dtype(x)))) for x in leaves])
+  def draw(scale, low=0.0, ratio=1.0):  # `scale`: a number, or a function of (dtype, ratio)
+    def one(x):
+      dtype = np.dtype(bucketing.leaf_dtype(x))
+      size = scale(dtype, ratio) if callable(scale) else scale
+      noise = rng.standard_normal(tuple(min(d, 3) for d in np.shape(x)))
+      return jnp.asarray((low + size * noise).astype(dtype))
+    return jax.tree.unflatten(treedef, [one(x) for x in leaves])
 
-  mini, g1, g2 = draw(1.0, low=100.0), draw(1e3), draw(1e-2)
+  mini = draw(1.0, low=100.0)
+  # (first gradient, second gradient) per round: small and large values, then values that
+  # cross any threshold below ~1e15 x sqrt(leaves x 27) (a clip's) in both steps
+  # (`_large`: what the leaf's dtype holds with room for sums of squares).
+  rounds = [(draw(1e3), draw(1e-2)), (draw(_large, ratio=1.0), draw(_large, ratio=0.1))]
 
   def two_steps(p, a, b):
     state = tx.init(p)
@@ -154,16 +167,29 @@ def check_elementwise_on_shares(tx: Any, params: Any, *, caller: str = "shard_op
     u2, _ = tx.update(b, state, p)
     return u1, u2
 
-  try:
-    whole = two_steps(mini, g1, g2)
-    parts = 2
-    cut = lambda t, r: jax.tree.map(lambda x: scatter.shard_leaf(x, r, parts), t)  # noqa: E731
-    by_share = [two_steps(cut(mini, r), cut(g1, r), cut(g2, r)) for r in range(parts)]
-  except Exception as error:  # reported with the advice below
-    raise ValueError(
-        f"{caller}: tx fails on 1-D shares of the parameters ({type(error).__name__}:"
-        f" {str(error)[:300]}); it needs whole leaves. {_UNSHARDED.capitalize()}.") from error
   paths = [p for p, _, _ in preflight.tree_signature(params)]
+  parts = 2
+  cut = lambda t, r: jax.tree.map(lambda x: scatter.shard_leaf(x, r, parts), t)  # noqa: E731
+  for number, (g1, g2) in enumerate(rounds):
+    try:
+      whole = two_steps(mini, g1, g2)
+      by_share = [two_steps(cut(mini, r), cut(g1, r), cut(g2, r)) for r in range(parts)]
+    except Exception as error:  # reported with the advice below
+      raise ValueError(
+          f"{caller}: tx fails on 1-D shares of the parameters ({type(error).__name__}:"
+          f" {str(error)[:300]}); it needs whole leaves. {_UNSHARDED.capitalize()}.") from error
+    _compare(whole, by_share, paths, number, caller, rtol)
+
+
+def _large(dtype: np.dtype, ratio: float) -> float:
+  """`ratio` x the largest gradient magnitude the probe draws for `dtype`: 1e15, or less
+  where the square of a sum of such values would overflow (float16: ~0.26)."""
+  return ratio * min(1e15, float(np.sqrt(np.finfo(dtype).max)) * 1e-3)
+
+
+def _compare(whole: Any, by_share: list[Any], paths: list[str], number: int, caller: str,
+             rtol: float) -> None:
+  """Raises unless the shares' updates of both probe steps, joined, are the whole ones."""
   for step in range(2):
     for i, path in enumerate(paths):
       ref = np.asarray(jax.tree.leaves(whole[step])[i], np.float64)
@@ -172,8 +198,8 @@ def check_elementwise_on_shares(tx: Any, params: Any, *, caller: str = "shard_op
       scale = float(np.max(np.abs(ref), initial=0.0))
       if not np.allclose(got, ref, rtol=rtol, atol=rtol * scale, equal_nan=True):
         raise ValueError(
-            f"{caller}: tx gives other updates on shares than on whole leaves (probe: step"
-            f" {step + 1}, leaf {path}, largest difference"
+            f"{caller}: tx gives other updates on shares than on whole leaves (probe round"
+            f" {number + 1}: step {step + 1}, leaf {path}, largest difference"
             f" {float(np.max(np.abs(got - ref))):.3g} for values up to {scale:.3g}), so it is"
             " not elementwise: a norm or statistic over leaves or the tree (global-norm"
             f" clipping: {_CLIP}), or a mask or label function that reads leaf shapes (shares"

@@ -2,7 +2,8 @@
 
 With ``mnjax.allreduce_gradients(comm, double_buffering=True)`` the optimizer state holds
 each rank's (and each local device's) own, unreduced gradient of the last step, while
-`mnjax.Checkpointer` saves rank 0's state and broadcasts it on restore. `flush_pending`
+`mnjax.Checkpointer` saves rank 0's state and broadcasts it on restore (and refuses, on every
+rank, to save pending gradients that differ between replicas). `flush_pending`
 replaces those pending gradients by their global sum, between steps, with one small
 `data_parallel` program (this layer runs steps; the transformation itself lives in
 `mnjax.optim._double_buffering`).
@@ -50,7 +51,8 @@ def flush_pending(opt_state: Any, comm: Communicator) -> Any:
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(s)]
   if not found:
     raise ValueError("flush_pending: opt_state holds no DoubleBufferingState; build the"
-                     " optimizer with mnjax.allreduce_gradients(comm, double_buffering=True).")
+                     " optimizer with mnjax.optim.double_buffered_optimizer(tx, comm) or"
+                     " mnjax.allreduce_gradients(comm, double_buffering=True).")
   summed = iter(_summing(comm)([(s.pending, s.reduced) for s in found]))
   flag = jnp.ones((), jnp.bool_)
   return jax.tree.map(lambda s: DoubleBufferingState(next(summed), flag) if _is_state(s) else s,

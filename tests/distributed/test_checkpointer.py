@@ -223,3 +223,60 @@ def test_verification_compares_the_digests_saved_with_the_state():
   # A state that is one bare array: older records name its leaf '' rather than '<root>'.
   bare = np.arange(3.0)
   assert checkpointer._damaged({"": checkpointer._digests(bare)["<root>"]}, bare) == []
+
+
+def drifted_local_copies(values):
+  """A "replicated" array whose local devices hold `values` (one each): what a per-device
+  state looks like under the multi-device kinds."""
+  devices = jax.local_devices()[:len(values)]
+  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)),
+                                        jax.sharding.PartitionSpec())
+  copies = [jax.device_put(jnp.full(3, float(v)), d) for v, d in zip(values, devices)]
+  return jax.make_array_from_single_device_arrays((3,), sharding, copies)
+
+
+PER_RANK = [  # (what differs on the last rank, the leaf, the fix the message names)
+    (lambda last: {"batch_stats": {"mean": jnp.full(2, float(last))}},
+     r"\['batch_stats'\]\['mean'\]", r"mnjax\.SyncBatchNorm.*allreduce_persistent"),
+    (lambda last: {"key": jax.random.key(7 + last)}, r"\['key'\]",
+     r"random key.*fold_in\(key, comm\.rank\)"),
+    (lambda last: {"w": jnp.arange(3.0) + last}, r"\['w'\]", r"the same on every replica"),
+]
+
+
+@pytest.mark.parametrize("differs, leaf, fix", PER_RANK)
+def test_state_that_differs_between_ranks_is_refused_on_every_rank(comm, tmp_path, differs,
+                                                                   leaf, fix):
+  """Rank 0 writes alone: what only another rank holds would be lost on restore."""
+  if comm.size == 1:
+    pytest.skip("needs ranks that differ (runs under mpirun); local devices are tested below")
+  last = int(comm.rank == comm.size - 1)
+  state = {"params": {"w": jnp.ones(3)}, **differs(last)}
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm, async_save=False) as ckpt:
+    with pytest.raises(ValueError, match=rf"(?s)1 of 2 leaves differ.*{leaf}: rank"
+                                         rf" {comm.size - 1} differ from rank 0.*{fix}"
+                                         r".*Nothing was saved"):
+      ckpt.save(1, state)
+    assert ckpt.steps() == []
+    ckpt.save(1, {"params": {"w": jnp.ones(3)}, **differs(0)})  # the same everywhere: saved
+    assert ckpt.steps() == [1]
+
+
+def test_meta_that_differs_between_ranks_is_refused_on_every_rank(comm, tmp_path):
+  if comm.size == 1:
+    pytest.skip("needs ranks that differ (runs under mpirun)")
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm, async_save=False) as ckpt:
+    with pytest.raises(ValueError, match=r"meta differs.*rank 0 .*'batch': 0.*Nothing was saved"):
+      ckpt.save(1, {"w": jnp.ones(3)}, meta={"batch": comm.rank})
+    assert ckpt.steps() == []
+
+
+def test_a_local_device_copy_that_differs_is_refused(comm, tmp_path):
+  if len(jax.local_devices()) < 2:
+    pytest.skip("needs two local devices")
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm, async_save=False) as ckpt:
+    with pytest.raises(ValueError, match=r"\['w'\]: rank 0 device \[1\].*Nothing was saved"):
+      ckpt.save(1, {"w": drifted_local_copies([0, 1]), "b": jnp.ones(2)})
+    assert ckpt.steps() == []
+    ckpt.save(1, {"w": drifted_local_copies([1, 1]), "b": jnp.ones(2)})
+    assert ckpt.steps() == [1]

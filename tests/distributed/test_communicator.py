@@ -21,8 +21,8 @@ PER_DEVICE = 4
 MODEL = SmallCNN()
 
 
-# single_node refuses several processes (tested below), so it joins only single-process runs.
-KINDS = ["hierarchical", "two_dimensional"] + (["single_node"] if MPI.COMM_WORLD.size == 1 else [])
+# single_node: every process of the job on one node (mpirun on this one machine).
+KINDS = ["hierarchical", "two_dimensional", "single_node"]
 
 
 def loss(params, images, labels):
@@ -62,7 +62,7 @@ def test_kind_averages_gradients_like_flat_over_the_same_global_batch(comm, kind
     assert all(np.array_equal(s, shards[0]) for s in shards)
 
 
-@pytest.mark.parametrize("kind", ["hierarchical", "two_dimensional"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_parameters_identical_on_every_device_of_every_process(comm, kind):
   kc = mnjax.create_communicator(kind)
   tx = optax.chain(mnjax.allreduce_gradients(kc), optax.adam(1e-3))
@@ -101,13 +101,61 @@ def test_process_batch_that_does_not_split_over_local_devices(comm):
     step(jnp.zeros(2), np.zeros((3, 4)))
 
 
-def test_single_node_under_several_processes(comm):
+def test_single_node_spans_every_process_of_one_node(comm):
+  kc = mnjax.create_communicator("single_node")
+  assert (kc.inter_size, kc.inter_rank, kc.intra_size, kc.intra_rank) == (1, 0, kc.size, kc.rank)
+  assert kc.size == comm.size and kc.num_replicas == kc.size * kc.local_device_count
+
+
+def test_single_node_across_nodes_is_refused_on_every_rank(comm, monkeypatch):
   if comm.size == 1:
-    assert mnjax.create_communicator("single_node").inter_size == 1
-    return
-  with pytest.raises(ValueError, match=rf"'single_node'.*{comm.size} processes.*'hierarchical'"):
+    pytest.skip("needs several processes to place on several (emulated) nodes")
+  monkeypatch.setenv("MNJAX_EMULATE_NODES", str(comm.size))  # one node per rank
+  with pytest.raises(ValueError, match=rf"'single_node' keeps every exchange on one node, but"
+                                       rf" the {comm.size} processes are on {comm.size} nodes"
+                                       r".*'hierarchical'") as info:
     mnjax.create_communicator("single_node")
-  assert comm.mpi_comm.allreduce(1) == comm.size
+  assert len(set(comm.mpi_comm.allgather(str(info.value)))) == 1
+
+
+def test_different_explicit_kinds_are_named_per_rank(comm):
+  if comm.size == 1:
+    pytest.skip("needs ranks that disagree (runs under mpirun)")
+  asked = ["flat", "hierarchical", "two_dimensional"]
+  mine = asked[comm.rank % len(asked)]
+  with pytest.raises(ValueError) as info:
+    mnjax.create_communicator(mine)
+  message = str(info.value)
+  per_kind = ", ".join(f"{k!r} on ranks {list(range(comm.size))[i::len(asked)]}"
+                       for i, k in enumerate(asked[:comm.size]))
+  assert f"the ranks asked for different kinds: {per_kind}." in message
+  assert "same kind on every rank" in message and "auto" not in message
+  assert "GPUs" not in message
+  assert len(set(comm.mpi_comm.allgather(message))) == 1  # the same error on every rank
+
+
+def test_auto_next_to_an_explicit_kind_says_what_auto_chose(comm):
+  if comm.size == 1:
+    pytest.skip("needs ranks that disagree (runs under mpirun)")
+  mine = "auto" if comm.rank == 0 else "hierarchical"
+  with pytest.raises(ValueError) as info:
+    mnjax.create_communicator(mine)
+  message = str(info.value)
+  others = list(range(1, comm.size))
+  assert f"'auto' (which chose 'flat') on ranks [0], 'hierarchical' on ranks {others}" in message
+  assert len(set(comm.mpi_comm.allgather(message))) == 1
+
+
+def test_auto_choosing_different_kinds_keeps_its_own_message(comm, monkeypatch):
+  if comm.size == 1:
+    pytest.skip("needs ranks that disagree (runs under mpirun)")
+  from mnjax.comm import _communicator as communicator
+
+  if comm.rank == comm.size - 1:  # as if this rank's node had GPUs
+    monkeypatch.setattr(communicator, "resolve_kind", lambda kind: "xla")
+  with pytest.raises(ValueError, match=r"create_communicator\('auto'\) chose different kinds"
+                                       r" on different ranks.*some nodes see GPUs"):
+    mnjax.create_communicator("auto")
 
 
 def test_flat_drives_one_device_only(comm):
@@ -126,25 +174,53 @@ def test_xla_after_jax_started_is_a_clear_error_on_every_rank(comm):
 # -- jax.process_index() under the MPI kinds -------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["flat", "hierarchical"])
-def test_rank_zero_warns_once_that_jax_process_index_is_not_the_rank(kind):
+def test_a_correct_port_is_quiet(kind):
+  """A script that reads comm.rank / comm.size (never jax.process_index) gets no warning."""
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     kc = mnjax.create_communicator(kind)
-  noted = [w for w in caught if str(w.message).startswith("mnjax: jax.process_index()")]
-  # The MPI kinds do not start jax.distributed: JAX sees one process on every rank.
-  assert (jax.process_index(), jax.process_count()) == (0, 1)
-  assert len(noted) == (1 if kc.size > 1 and kc.is_root else 0)
-  if noted:
-    message = str(noted[0].message)
-    assert f"in this {kc.size}-process job" in message
-    assert "comm.rank for jax.process_index()" in message and "comm.is_root" in message
-    assert noted[0].category is UserWarning and noted[0].filename == __file__
-  # The mapping the warning gives: comm.rank / comm.size are the process index / count.
+    shard = mnjax.scatter_index(12, kc)
+    writer = kc.is_root
+  # The mapping the port uses: comm.rank / comm.size are the process index / count.
   ranks = sorted(kc.mpi_comm.allgather(kc.rank))
   assert ranks == list(range(kc.size)) == list(range(MPI.COMM_WORLD.size))
+  assert [str(w.message)[:80] for w in caught if "mnjax" in str(w.message)] == []
+  assert len(shard) == 12 // kc.size and writer == (kc.rank == 0)
+
+
+@pytest.mark.parametrize("kind", ["flat", "hierarchical"])
+def test_jax_process_index_warns_where_the_script_calls_it_and_the_value_is_wrong(kind):
+  if MPI.COMM_WORLD.size == 1:
+    pytest.skip("one process: jax.process_index() is right (see the single-process test)")
+  kc = mnjax.create_communicator(kind)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    # The MPI kinds do not start jax.distributed: JAX sees one process on every rank.
+    values = (jax.process_index(), jax.process_count())
+  assert values == (0, 1)
+  noted = [w for w in caught if str(w.message).startswith("mnjax: jax.process_index")]
+  # Rank 0 is process 0: only the other ranks read a wrong value (once per call).
+  assert len(noted) == (0 if kc.is_root else 2)
+  for w, name, value in zip(noted, ("jax.process_index", "jax.process_count"), values):
+    message = str(w.message)
+    assert f"{name}() returned {value} on rank {kc.rank} of this {kc.size}-process job" in message
+    assert "comm.rank for jax.process_index()" in message and "comm.is_root" in message
+    # It points at the line that called it.
+    assert w.category is UserWarning and w.filename == __file__
+
+
+def test_mnjax_own_calls_of_jax_process_index_are_quiet(comm):
+  code = compile("import jax\nvalue = jax.process_count()", "<mnjax-internal>", "exec")
+  scope = {"__name__": "mnjax.checkpoint._fake"}  # as if mnjax's own module called it
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    exec(code, scope)
+  assert scope["value"] == 1
 
 
 def test_a_single_process_does_not_warn():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert mnjax.create_communicator("flat", MPI.COMM_SELF).size == 1
+    if MPI.COMM_WORLD.size == 1:  # nothing is watched: JAX's view is the job's
+      assert (jax.process_index(), jax.process_count()) == (0, 1)

@@ -140,6 +140,114 @@ def test_without_double_buffering_the_reference_does_not_match(comm):
   assert not np.allclose(params["w"], reference(optimizer, x, y)["w"], atol=1e-3)
 
 
+def chainermn_adamw(x, y, *, lr, weight_decay, b1=0.9, b2=0.999, eps=1e-8):
+  """ChainerMN's double-buffered Adam(W), by hand in float64: step 0 only stores the global
+  gradient (the actual optimizer does not run, its ``t`` stays 0); step s >= 1 runs the
+  actual optimizer's update number ``t = s`` on the global gradient of step s - 1.
+  Returns the parameters and the final ``t``."""
+  params = {k: np.asarray(v, np.float64) for k, v in init_params().items()}
+  m = {k: np.zeros_like(v) for k, v in params.items()}
+  v = {k: np.zeros_like(p) for k, p in params.items()}
+  previous, t = None, 0
+  for s in range(len(x)):
+    now = jax.grad(loss)({k: jnp.asarray(p, jnp.float32) for k, p in params.items()}, x[s], y[s])
+    if previous is not None:
+      t += 1
+      for k, g in previous.items():
+        m[k] = b1 * m[k] + (1 - b1) * g
+        v[k] = b2 * v[k] + (1 - b2) * g * g
+        direction = (m[k] / (1 - b1 ** t)) / (np.sqrt(v[k] / (1 - b2 ** t)) + eps)
+        params[k] = params[k] - lr * (direction + weight_decay * params[k])
+    previous = {k: np.asarray(g, np.float64) for k, g in now.items()}
+  return params, t
+
+
+@pytest.mark.parametrize("kind", ["flat", "hierarchical"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_optimizer_first_runs_at_the_second_step_as_in_chainermn(kind, weight_decay):
+  kc = communicator(kind)
+  tx = mnjax.optim.double_buffered_optimizer(optax.adamw(1e-2, weight_decay=weight_decay), kc)
+  x, y = global_batches(kc.num_replicas, steps=6)
+  step = make_step(kc, tx)
+  params, state = init_params(), tx.init(init_params())
+  counts = []
+  for t in range(6):
+    new, state = step(params, state, mine(kc, x[t]), mine(kc, y[t]), jnp.float32(1.0))
+    if t == 0:  # nothing applied, not even the weight decay
+      for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    params = new
+    counts.append(int(state.inner_state[0].count))
+  assert counts == [0, 1, 2, 3, 4, 5]  # ChainerMN's t after each step
+  want, t = chainermn_adamw(x, y, lr=1e-2, weight_decay=weight_decay)
+  assert t == 5
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert_replicas_identical(kc, (params, state.inner_state))
+
+
+def test_in_a_plain_chain_the_optimizer_also_runs_at_step_0(comm):
+  """The contrast (and why the wrapper exists): an optax.chain cannot keep its later links
+  from running, so Adam's count is one ahead of ChainerMN's and the parameters differ."""
+  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optax.adam(1e-2))
+  x, y = global_batches(comm.num_replicas, steps=6)
+  params, state = run(comm, tx, x, y)
+  assert int(state[1][0].count) == 6
+  assert not np.allclose(params["w"], chainermn_adamw(x, y, lr=1e-2, weight_decay=0.0)[0]["w"],
+                         atol=1e-3)
+
+
+def test_the_double_buffered_optimizer_resumes_bit_for_bit(comm, tmp_path):
+  tx = mnjax.optim.double_buffered_optimizer(mnjax.skip_nonfinite(optax.adam(1e-2)), comm)
+  x, y = global_batches(comm.num_replicas, steps=4)
+  step = make_step(comm, tx)
+
+  def advance(state, steps):
+    params, opt = state["params"], state["opt"]
+    for t in steps:
+      params, opt = step(params, opt, mine(comm, x[t]), mine(comm, y[t]), jnp.float32(1.0))
+    return {"params": params, "opt": opt}
+
+  fresh = {"params": init_params(), "opt": tx.init(init_params())}
+  state = advance(fresh, range(1))  # started: the first gradient waits, nothing applied yet
+  state = {"params": state["params"], "opt": mnjax.train.flush_pending(state["opt"], comm)}
+  with mnjax.Checkpointer(tmp_path / "ckpt", comm, async_save=False) as ckpt:
+    ckpt.save(1, state)
+    _, restored, _ = ckpt.restore(fresh)
+  assert isinstance(restored["opt"], mnjax.optim.DoubleBufferedState)
+  assert bool(restored["opt"].started) and not bool(fresh["opt"].started)
+  resumed, uninterrupted = advance(restored, range(1, 4)), advance(state, range(1, 4))
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted)):
+    np.testing.assert_array_equal(a, b)
+  assert int(resumed["opt"].inner_state.inner_state[0].count) == 3
+
+
+def test_inside_accumulate_gradients_the_first_cycle_only_stores(comm):
+  k = 2
+  tx = mnjax.accumulate_gradients(
+      mnjax.optim.double_buffered_optimizer(optax.adam(1e-2), comm), every_k=k)
+  x, y = global_batches(comm.num_replicas, steps=3 * k)
+  _, state = run(comm, tx, x[:k], y[:k])
+  assert int(state.inner_state.inner_state[0].count) == 0 and bool(state.inner_state.started)
+  _, state = run(comm, tx, x, y)
+  assert int(state.inner_state.inner_state[0].count) == 2
+
+
+def test_the_double_buffered_optimizer_refuses_what_it_cannot_do(comm):
+  with pytest.raises(TypeError, match=r"arguments look swapped"):
+    mnjax.optim.double_buffered_optimizer(comm, optax.adam(1e-2))
+  with pytest.raises(TypeError, match=r"GradientTransformation"):
+    mnjax.optim.double_buffered_optimizer("adam", comm)
+  with pytest.raises(TypeError, match=r"always double-buffered"):
+    mnjax.optim.double_buffered_optimizer(optax.adam(1e-2), comm, double_buffering=False)
+  with pytest.raises(ValueError, match=r"wire_dtype must be"):
+    mnjax.optim.double_buffered_optimizer(optax.adam(1e-2), comm, wire_dtype=jnp.int8)
+  tx = mnjax.optim.double_buffered_optimizer(optax.adam(1e-2), comm)
+  grads = {"w": jnp.ones(3)}
+  with pytest.raises(TypeError, match=r"must be a DoubleBufferedState"):
+    tx.update(grads, optax.adam(1e-2).init(grads), grads)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_bad_gradient_on_the_last_rank_is_skipped_one_step_later_on_every_rank(comm, bad):
   tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True),
@@ -264,23 +372,27 @@ def test_bad_arguments_and_states_are_refused(comm):
     tx.update(grads, tx.init({"w": jnp.ones(2)}), None)
 
 
-def test_an_unflushed_checkpoint_would_give_every_rank_rank_0s_gradient(comm, tmp_path):
-  """Why flush_pending exists: restore broadcasts rank 0's state, so without the flush the
-  other ranks' pending gradients are lost and the resumed run leaves the uninterrupted one."""
-  if comm.size == 1:
-    pytest.skip("one rank: rank 0's pending gradient is the only one (runs under mpirun)")
-  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optax.sgd(0.1))
-  x, y = global_batches(comm.num_replicas, steps=2)
-  step = make_step(comm, tx)
-  params, opt = init_params(), tx.init(init_params())
-  params, opt = step(params, opt, mine(comm, x[0]), mine(comm, y[0]), jnp.float32(1.0))
-  with mnjax.Checkpointer(tmp_path / "ckpt", comm, async_save=False) as ckpt:
-    ckpt.save(1, {"params": params, "opt": opt})
-    _, restored, _ = ckpt.restore({"params": init_params(), "opt": tx.init(init_params())})
-  args = (mine(comm, x[1]), mine(comm, y[1]), jnp.float32(1.0))
-  resumed, _ = step(restored["params"], restored["opt"], *args)
-  uninterrupted, _ = step(params, opt, *args)
-  assert not np.array_equal(resumed["w"], uninterrupted["w"])
+@pytest.mark.parametrize("kind", ["flat", "hierarchical"])
+def test_an_unflushed_pending_gradient_is_refused_on_every_rank(kind, tmp_path):
+  """Rank 0 writes and restore broadcasts its state: every other replica's pending gradient
+  would be lost (a resumed run would leave the uninterrupted one). Refused, naming the fix;
+  a fresh state (nothing pending anywhere) and a flushed one are saved."""
+  kc = communicator(kind)
+  if kc.num_replicas == 1:
+    pytest.skip("one replica: its pending gradient is the only one (runs under mpirun)")
+  tx = optax.chain(mnjax.allreduce_gradients(kc, double_buffering=True), optax.sgd(0.1))
+  x, y = global_batches(kc.num_replicas, steps=1)
+  fresh = {"params": init_params(), "opt": tx.init(init_params())}
+  params, opt = make_step(kc, tx)(fresh["params"], fresh["opt"], mine(kc, x[0]),
+                                  mine(kc, y[0]), jnp.float32(1.0))
+  with mnjax.Checkpointer(tmp_path / "ckpt", kc, async_save=False) as ckpt:
+    ckpt.save(0, fresh)
+    with pytest.raises(ValueError, match=r"(?s)pending gradient.*not flushed.*"
+                                         r"mnjax\.train\.flush_pending.*Nothing was saved"):
+      ckpt.save(1, {"params": params, "opt": opt})
+    assert ckpt.steps() == [0]
+    ckpt.save(1, {"params": params, "opt": mnjax.train.flush_pending(opt, kc)})
+    assert ckpt.steps() == [0, 1]
 
 
 def test_mean_false_applies_the_previous_sum_flushed_or_not(comm):

@@ -363,3 +363,54 @@ def test_deciding_on_each_ranks_own_gradient_is_refused(comm):
   with pytest.raises(ValueError, match=r"is sharded .* ranks would skip different steps.*"
                                        r"on='update'"):
     mnjax.skip_nonfinite(mnjax.shard_optimizer(comm, optax.adam(1e-2))).init(init_params())
+
+
+def home_made_clip(max_norm):
+  """optax's global-norm clip as a user writes it, under a name no list knows."""
+  def update_fn(updates, state, params=None):
+    del params
+    norm = optax.tree.norm(updates)
+    return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g / norm * max_norm),
+                        updates), state
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+@pytest.mark.parametrize("max_norm", [1e4, 1e8, 1e12])
+@pytest.mark.parametrize("after", ["sgd", "adam"])
+def test_a_home_made_global_norm_clip_is_refused_above_the_old_probes_range(comm, max_norm,
+                                                                          after):
+  # The probe's first pair of gradients (1e3, then 1e-2) stays under these thresholds, so a
+  # clip there never acts; each share would then be clipped by its own norm once training
+  # gradients cross it. The probe's second pair (1e15, then 1e14) crosses it.
+  tx = optax.chain(home_made_clip(max_norm),
+                   optax.sgd(0.1) if after == "sgd" else optax.adam(1e-2))
+  sharded = mnjax.shard_optimizer(comm, tx)  # no known name: accepted here
+  with pytest.raises(ValueError, match=r"not elementwise.*clip_global_norm="):
+    sharded.init(init_params())
+
+
+def test_elementwise_optimizers_still_pass_the_probe_with_huge_gradients(comm):
+  for tx in (optax.sgd(0.1, momentum=0.9), optax.adam(1e-2), optax.rmsprop(1e-3),
+             optax.lion(1e-4), optax.adamw(1e-2, weight_decay=0.1)):
+    mnjax.shard_optimizer(comm, tx).init(init_params())
+  bf16 = {"w": jnp.ones((4, 3), jnp.bfloat16), "h": jnp.ones(5, jnp.float16)}
+  mnjax.shard_optimizer(comm, optax.adam(1e-2)).init(bf16)
+
+
+def test_broadcast_and_check_replicas_of_a_sharded_state_say_what_to_do(comm):
+  """Each rank holds its own share by design: the advice for trees that should be equal
+  ("build the tree the same way", "restore the last checkpoint") is not the fix."""
+  tx = mnjax.shard_optimizer(comm, optax.adam(1e-2))
+  params = init_params()
+  state = {"params": params, "opt": tx.init(params)}
+  where = rf"\['opt'\]\.shard_{comm.rank}_of_{comm.size}"
+  with pytest.raises(ValueError, match=rf"(?s)broadcast: .*shard_optimizer.*at {where}.*"
+                                       r"different on every rank by design.*"
+                                       r"broadcast\(params, comm\).*tx\.init\(params\)"):
+    mnjax.broadcast(state, comm)
+  with pytest.raises(ValueError, match=rf"(?s)check_replicas: .*shard_optimizer.*at {where}.*"
+                                       r"by design.*check_replicas\(params, comm\)"):
+    mnjax.check_replicas(state, comm)
+  # What is replicated still is: broadcast and compared as usual.
+  assert same_on_every_rank(comm, mnjax.broadcast(params, comm))
+  mnjax.check_replicas(params, comm)

@@ -106,7 +106,7 @@ def test_bucketed_reduction_equals_the_fused_one(comm, bucket_bytes):
     "kwargs, match",
     [
         ({"wire_dtype": jnp.int8}, "wire_dtype must be None .* got"),
-        ({"wire_dtype": jnp.float64}, "wire_dtype must be None"),
+        ({"wire_dtype": jnp.float64}, "float64 needs jax_enable_x64.*jax_enable_x64"),
         ({"wire_dtype": "fp8"}, "wire_dtype must be None"),
         ({"bucket_bytes": 0}, "bucket_bytes must be .auto.*None .* positive"),
         ({"bucket_bytes": -5}, "bucket_bytes must be .auto."),
@@ -126,3 +126,26 @@ def test_integer_or_complex_leaves_with_a_half_wire_are_refused_at_init(comm):
     tx.init({"w": jnp.ones(3), "count": jnp.zeros((), jnp.int32)})
   with pytest.raises(TypeError, match=r"real floating-point .* leaf \['z'\] .* wire_dtype=None"):
     tx.init({"z": jnp.ones(3, jnp.complex64)})
+
+
+@pytest.mark.parametrize("kind", ["flat", "hierarchical"])
+def test_a_float64_model_is_averaged_in_float64(kind):
+  """ChainerMN's ``allreduce_grad_dtype=float64``: with jax_enable_x64 on, the gradients of a
+  float64 model travel and are summed in float64 (steps of 2**-40, which float32 loses)."""
+  with jax.enable_x64(True):
+    kc = mnjax.create_communicator(kind)
+    tx = optax.chain(mnjax.allreduce_gradients(kc, wire_dtype=jnp.float64), optax.sgd(1.0))
+    params = {"w": jnp.zeros(3, jnp.float64)}
+
+    def step(params, state, x):
+      updates, state = tx.update({"w": jnp.broadcast_to(x[0], (3,))}, state, params)
+      return optax.apply_updates(params, updates), state
+
+    values = 1.0 + np.arange(kc.num_replicas) * 2.0**-40  # one per replica
+    mine = values[kc.rank * kc.local_device_count:(kc.rank + 1) * kc.local_device_count]
+    out, _ = mnjax.data_parallel(step, kc, batch_argnums=(2,))(
+        params, tx.init(params), jnp.asarray(mine, jnp.float64))
+    assert out["w"].dtype == jnp.float64
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.full(3, -values.mean()))
+    if kc.num_replicas > 1:  # float32 would have rounded every value to 1
+      assert values.mean() != 1.0

@@ -16,10 +16,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-import warnings
 from pathlib import Path
-
-warnings.filterwarnings("ignore", message="mnjax: jax.process_index")
 
 CASES: dict = {}
 

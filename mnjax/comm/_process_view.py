@@ -1,0 +1,92 @@
+"""JAX's process view under the MPI kinds: a warning where a script reads it, not at start.
+
+The MPI kinds (every kind but ``xla``) do not start jax.distributed, so JAX sees one process
+on every rank: ``jax.process_index()`` is 0 and ``jax.process_count()`` is 1 everywhere.
+Ported ``pmap`` code that picks its data shard or its writing process by them (flax's
+examples, ``tfds.split_for_jax_process``, ``flax.training.checkpoints``) reads shard 0 and
+writes on every rank, silently. A correct port reads ``comm.rank``, ``comm.size`` and
+``comm.is_root`` instead and never calls them, so it must hear nothing.
+
+`watch` (run by `create_communicator`) therefore replaces ``jax.process_index`` and
+``jax.process_count`` by wrappers that return JAX's own values unchanged and warn, with a
+`UserWarning` starting ``mnjax: jax.process_index`` that points at the calling line, where
+the value is wrong:
+
+* on every rank but 0 (rank 0 *is* process 0; it is also where mnjax runs orbax, which reads
+  both, in background threads too): a script's wrong call runs on every rank, so the other
+  ranks catch it;
+* once per calling line (Python's warning registry), and never for mnjax's own calls.
+
+Not seen: a reference taken before `create_communicator` (``from jax import
+process_index``), and a call made on rank 0 only. Silence it with
+``warnings.filterwarnings('ignore', message='mnjax: jax.process_index')``. JAX's internals
+call their own functions (``jax._src.xla_bridge``), not these module attributes, so nothing
+changes for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+
+__all__ = ["watch"]
+
+_NAMES = ("process_index", "process_count")
+_JOB: dict = {}  # the first watched job: rank, size, kind
+
+
+def watch(comm) -> None:
+  """Warn from now on where this rank's code reads JAX's (wrong) process index or count.
+
+  Nothing to do for ``xla`` (jax.distributed runs: JAX's view is the job's), for one
+  process, on rank 0, or once JAX already counts the job's processes.
+
+  Example:
+    >>> watch(comm)   # one process: nothing is replaced
+    >>> jax.process_index()
+    0
+  """
+  import jax  # noqa: PLC0415 (started by the caller)
+
+  if comm.kind == "xla" or comm.size == 1 or comm.rank == 0 or _JOB:
+    return
+  if jax.process_count() == comm.size:
+    return
+  _JOB.update(rank=comm.rank, size=comm.size, kind=comm.kind)
+  for name in _NAMES:
+    setattr(jax, name, _watched(getattr(jax, name), f"jax.{name}"))
+
+
+def _watched(original, name: str):
+  @functools.wraps(original)
+  def wrapper(*args, **kwargs):
+    value = original(*args, **kwargs)
+    if not _called_by_mnjax(sys._getframe(1)):
+      warnings.warn(_message(name, value), UserWarning, stacklevel=2)
+    return value
+
+  return wrapper
+
+
+def _called_by_mnjax(frame) -> bool:
+  while frame is not None:
+    module = frame.f_globals.get("__name__", "")
+    if module == "mnjax" or module.startswith("mnjax."):
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _message(name: str, value: int) -> str:
+  rank, size, kind = _JOB["rank"], _JOB["size"], _JOB["kind"]
+  return (
+      f"mnjax: jax.process_index() and jax.process_count() do not describe this job:"
+      f" {name}() returned {value} on rank {rank} of this {size}-process job (kind {kind!r}"
+      " runs over MPI and does not start jax.distributed, so JAX sees one process on every"
+      " rank). Code that picks its data shard or the process that writes by them (flax's"
+      " examples, tfds.split_for_jax_process, flax.training.checkpoints) reads shard 0 and"
+      " writes on every rank. Use comm.rank for jax.process_index(), comm.size for"
+      " jax.process_count() and comm.is_root for jax.process_index() == 0 (README, \"Porting"
+      " a pmap script\"). If this call is deliberate, silence it with"
+      " warnings.filterwarnings('ignore', message='mnjax: jax.process_index').")

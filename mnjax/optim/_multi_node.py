@@ -1,0 +1,105 @@
+"""Porting without touching the optimizer state: ChainerMN's `create_multi_node_optimizer`.
+
+``optax.chain(mnjax.allreduce_gradients(comm), tx)`` is the composable form, but a chain's
+state is a tuple with one entry per link: ``(EmptyState(), tx_state)`` instead of
+``tx_state``. A checkpoint written by the original (single-process or ``pmap``) script holds
+``tx_state``'s tree, so restoring it into the chain's state either fails on the structure
+or, through a restore that forgives missing entries, comes back with the momentum zeroed
+and the schedule count at 0, without a word.
+
+ChainerMN wraps the actual optimizer instead: ``create_multi_node_optimizer(actual_optimizer,
+communicator)`` keeps the actual optimizer's state and only reduces the gradients first.
+`create_multi_node_optimizer` is that wrapper for optax: its ``init`` is ``tx.init`` (the
+state *is* `tx`'s, leaf for leaf), its ``update`` exchanges the gradients exactly as
+`allreduce_gradients` does (the same buckets, wire dtype and trace-time checks across
+ranks) and hands the mean to ``tx.update``. An old checkpoint therefore restores unchanged.
+
+Double buffering is refused: its pending gradient is state of its own, so the state could
+not be `tx`'s (the error gives the chain form, and how to restore an old state into it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.optim._allreduce import allreduce_gradients
+
+__all__ = ["create_multi_node_optimizer"]
+
+_CALLER = "create_multi_node_optimizer"
+
+
+def create_multi_node_optimizer(actual_optimizer: optax.GradientTransformation, comm,
+                                *, double_buffering: bool = False, **allreduce_options: Any,
+                                ) -> optax.GradientTransformationExtraArgs:
+  """Wraps `actual_optimizer` so that it sees the mean gradient over every replica, keeping
+  its optimizer state unchanged (ChainerMN's ``create_multi_node_optimizer``).
+
+  Use it to port a script whose checkpoints hold `actual_optimizer`'s state: the wrapped
+  optimizer's ``init`` returns exactly ``actual_optimizer.init(params)``, so a state saved
+  by the original script (flax serialization, orbax, `mnjax.Checkpointer`) restores into it
+  with momentum, Adam moments and schedule counts intact. Otherwise it is
+  ``optax.chain(mnjax.allreduce_gradients(comm, **allreduce_options), actual_optimizer)``:
+  the same exchange, the same updates, bitwise.
+
+  Args:
+    actual_optimizer: the optax transformation of the original script (a chain too); extra
+      arguments of its ``update`` (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau``)
+      are passed on.
+    comm: the `Communicator`.
+    double_buffering: refused (``True`` raises with the chain form to use instead): the
+      pending gradient would have to live in the state, which is `actual_optimizer`'s.
+    **allreduce_options: any keyword of `allreduce_gradients` (``mean``, ``wire_dtype``,
+      ``bucket_bytes``, ``preflight_timeout``), checked now.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is `actual_optimizer`'s.
+
+  Example:
+    >>> tx = optax.sgd(optax.linear_schedule(0.1, 0.01, 100), momentum=0.9)
+    >>> multi = mnjax.create_multi_node_optimizer(tx, comm, wire_dtype=jnp.bfloat16)
+    >>> params = {"w": jnp.ones(3)}
+    >>> jax.tree.structure(multi.init(params)) == jax.tree.structure(tx.init(params))
+    True
+    >>> updates, state = jax.jit(multi.update)({"w": jnp.ones(3)}, multi.init(params), params)
+    >>> int(state[1].count)      # the schedule's count, where the old checkpoint keeps it
+    1
+  """
+  if isinstance(actual_optimizer, Communicator):
+    raise TypeError(
+        f"{_CALLER}: the first argument is a Communicator; the order is {_CALLER}(tx, comm),"
+        " the optimizer first as in ChainerMN (the arguments look swapped).")
+  check_communicator(comm, _CALLER)
+  if not (callable(getattr(actual_optimizer, "init", None))
+          and callable(getattr(actual_optimizer, "update", None))):
+    raise TypeError(
+        f"{_CALLER}: actual_optimizer must be an optax GradientTransformation (with init and"
+        f" update), got {type(actual_optimizer).__name__}; e.g."
+        f" {_CALLER}(optax.sgd(0.1, momentum=0.9), comm).")
+  if not isinstance(double_buffering, bool):
+    raise TypeError(f"{_CALLER}: double_buffering must be a bool, got {double_buffering!r}.")
+  if double_buffering:
+    raise ValueError(
+        f"{_CALLER}: double_buffering=True keeps the pending gradient in the optimizer state,"
+        " so the state cannot stay the inner optimizer's. Use"
+        " chain = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), tx); to"
+        " resume it from tx's state saved without double buffering (old_state), make that"
+        " the chain's second entry: state = (chain.init(params)[0], old_state).")
+  try:
+    reducer = allreduce_gradients(comm, **allreduce_options)
+  except (TypeError, ValueError) as error:
+    raise type(error)(f"{_CALLER}: {error}") from None
+  inner = optax.with_extra_args_support(actual_optimizer)
+
+  def init_fn(params):
+    reducer.init(params)  # the same dtype checks as allreduce_gradients, now
+    return inner.init(params)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, _ = reducer.update(updates, optax.EmptyState(), params)
+    return inner.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
