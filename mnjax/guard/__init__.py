@@ -4,6 +4,8 @@
   before a collective whose operands must agree (tree structure, shapes, dtypes).
 * `check_replicas` / `fingerprints`: are the replicas still bitwise identical?
 * `Watchdog`: a background thread that names a stalled rank and aborts the job.
+* `rank_dependent`: a scope whose constants may differ per rank (the program check of
+  `mnjax.data_parallel` compares the rest of the step across ranks).
 
 Example::
 
@@ -12,6 +14,7 @@ Example::
 
 from mnjax.guard._consensus import check_replicas, fingerprints
 from mnjax.guard._preflight import DEFAULT_TIMEOUT, check_same_on_all_ranks, tree_signature
+from mnjax.guard._program import rank_dependent
 from mnjax.guard._watchdog import Watchdog
 
 __all__ = [
@@ -20,5 +23,6 @@ __all__ = [
     "check_replicas",
     "check_same_on_all_ranks",
     "fingerprints",
+    "rank_dependent",
     "tree_signature",
 ]

@@ -19,8 +19,9 @@ comes from ("the constant -0.01 on rank 0, -0.1 on rank 1, from optax/_src/trans
 What is deliberately not compared: MPI communicator handles (each rank's own number for the
 same communicator), memory addresses in reprs, source locations (only reported). A value
 that should differ per rank (a per-rank seed, a rank-dependent constant) belongs in the
-step's *arguments*, which are compared by shape and dtype only; `mnjax.data_parallel`'s
-``check_program=False`` turns the comparison off entirely.
+step's *arguments*, which are compared by shape and dtype only; operations traced inside
+`rank_dependent` are compared by operation and shapes only (ZeRO-1's slice of this rank's
+share is one); `mnjax.data_parallel`'s ``check_program=False`` turns the comparison off.
 
 `user_collectives` reads the same jaxpr for collectives over the communicator's axis that
 mnjax did not write (a ``lax.pmean(x, "batch")`` left over from a pmap script), which would
@@ -43,7 +44,7 @@ from mnjax.comm._communicator import Communicator
 from mnjax.comm._host import gather_if_different
 
 __all__ = ["Program", "check_same_program", "describe_programs", "program_of",
-           "user_collectives"]
+           "rank_dependent", "user_collectives"]
 
 _JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, np) if m.__file__)
 _MNJAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -52,6 +53,26 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 #: for the same communicator, and the collective sequence check compares collectives.
 _PER_RANK_PARAMS = frozenset({"comm_handle", "comm", "comm_ptr"})
 _SMALL = 8  # constants with at most this many elements are shown by value
+#: The `jax.named_scope` of `rank_dependent`.
+RANK_DEPENDENT_SCOPE = "mnjax_rank_dependent"
+
+
+def rank_dependent():
+  """A scope whose operations may differ per rank in their constants: the program check
+  compares them by operation and shapes only (parameters and literal values are left out).
+
+  For what really depends on the rank inside a step: ZeRO-1's slice of this rank's share
+  (`mnjax.shard_optimizer` uses it), a rank-dependent scale. The shapes must still agree;
+  an array closed over stays a compared constant (pass it as an argument instead).
+
+  Example:
+    >>> def step(x):
+    ...   with mnjax.guard.rank_dependent():
+    ...     return x * (1.0 + comm.rank)          # another literal on every rank, on purpose
+    >>> float(mnjax.data_parallel(step, comm, batch_argnums=())(jnp.ones(()))) == 1.0 + comm.rank
+    True
+  """
+  return jax.named_scope(RANK_DEPENDENT_SCOPE)
 
 
 class Op(NamedTuple):
@@ -117,6 +138,7 @@ def program_of(closed: jcore.ClosedJaxpr, arg_paths: list[str] | None = None, *,
 def _walk(jaxpr: Any, depth: int, names: dict, ops: list, where: list | None) -> None:
   for eqn in jaxpr.eqns:
     params, subs = [], []
+    per_rank = RANK_DEPENDENT_SCOPE in str(eqn.source_info.name_stack)
     for key in sorted(eqn.params):
       value = eqn.params[key]
       found = list(_jaxprs(value))
@@ -125,9 +147,11 @@ def _walk(jaxpr: Any, depth: int, names: dict, ops: list, where: list | None) ->
         params.append((key, f"<{len(found)} program(s), below>"))
       elif key in _PER_RANK_PARAMS:
         params.append((key, "<this rank's communicator>"))
+      elif per_rank:
+        params.append((key, "<rank-dependent>"))
       else:
         params.append((key, _param(value)))
-    operands = tuple(_operand(v, names) for v in eqn.invars)
+    operands = tuple(_operand(v, names, per_rank) for v in eqn.invars)
     for var in eqn.outvars:
       names[var] = f"v{len(names)}:{_aval(var.aval)}"
     ops.append(Op(depth, eqn.primitive.name, tuple(params), operands,
@@ -162,9 +186,9 @@ def _aval(aval: Any) -> str:
     return str(aval)
 
 
-def _operand(var: Any, names: dict) -> str:
+def _operand(var: Any, names: dict, per_rank: bool = False) -> str:
   if isinstance(var, jcore.Literal):
-    return f"literal {_value(var.val)}:{_aval(var.aval)}"
+    return f"literal {'<rank-dependent>' if per_rank else _value(var.val)}:{_aval(var.aval)}"
   return names.get(var, f"outer:{_aval(var.aval)}")
 
 

@@ -80,8 +80,11 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
       reduced gradient of step ``t - 1`` and this step's gradient waits, unreduced, in the
       state (`mnjax.optim._double_buffering`), so the exchange depends only on an input of
       the step and may overlap its forward and backward pass. Step 0 applies a zero
-      gradient, as ChainerMN does. One step stale: keep `mnjax.skip_nonfinite` after it
-      (a NaN is skipped one step later, on every rank); not with float16 loss scaling,
+      gradient, and the links after it in a chain still run on it (one step ahead of
+      ChainerMN for good: Adam's count, momentum, weight decay); ChainerMN's semantics,
+      where the actual optimizer first runs at the second step, are
+      `mnjax.optim.double_buffered_optimizer`'s. One step stale: keep
+      `mnjax.skip_nonfinite` after it (a NaN is skipped one step later, on every rank); not with float16 loss scaling,
       whose scale may change between the step that scaled a gradient and the one that
       unscales it.
 

@@ -14,8 +14,10 @@ state *is* `tx`'s, leaf for leaf), its ``update`` exchanges the gradients exactl
 `allreduce_gradients` does (the same buckets, wire dtype and trace-time checks across
 ranks) and hands the mean to ``tx.update``. An old checkpoint therefore restores unchanged.
 
-Double buffering is refused: its pending gradient is state of its own, so the state could
-not be `tx`'s (the error gives the chain form, and how to restore an old state into it).
+With ``double_buffering=True`` it is `mnjax.optim.double_buffered_optimizer` (ChainerMN's
+``create_multi_node_optimizer(..., double_buffering=True)``: the actual optimizer first runs
+at the second step); its state then holds the pending gradient beside `tx`'s
+(``DoubleBufferedState.inner_state``), so an old state restores into that field.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import optax
 
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.optim._allreduce import allreduce_gradients
+from mnjax.optim._double_buffered import double_buffered_optimizer
 
 __all__ = ["create_multi_node_optimizer"]
 
@@ -50,13 +53,14 @@ def create_multi_node_optimizer(actual_optimizer: optax.GradientTransformation, 
       arguments of its ``update`` (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau``)
       are passed on.
     comm: the `Communicator`.
-    double_buffering: refused (``True`` raises with the chain form to use instead): the
-      pending gradient would have to live in the state, which is `actual_optimizer`'s.
+    double_buffering: ChainerMN's double buffering: `double_buffered_optimizer`, whose
+      state is a `DoubleBufferedState` (`actual_optimizer`'s state is its ``inner_state``).
     **allreduce_options: any keyword of `allreduce_gradients` (``mean``, ``wire_dtype``,
       ``bucket_bytes``, ``preflight_timeout``), checked now.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is `actual_optimizer`'s.
+    An `optax.GradientTransformationExtraArgs` whose state is `actual_optimizer`'s (with
+    double buffering, a `DoubleBufferedState` around it).
 
   Example:
     >>> tx = optax.sgd(optax.linear_schedule(0.1, 0.01, 100), momentum=0.9)
@@ -82,12 +86,10 @@ def create_multi_node_optimizer(actual_optimizer: optax.GradientTransformation, 
   if not isinstance(double_buffering, bool):
     raise TypeError(f"{_CALLER}: double_buffering must be a bool, got {double_buffering!r}.")
   if double_buffering:
-    raise ValueError(
-        f"{_CALLER}: double_buffering=True keeps the pending gradient in the optimizer state,"
-        " so the state cannot stay the inner optimizer's. Use"
-        " chain = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), tx); to"
-        " resume it from tx's state saved without double buffering (old_state), make that"
-        " the chain's second entry: state = (chain.init(params)[0], old_state).")
+    try:
+      return double_buffered_optimizer(actual_optimizer, comm, **allreduce_options)
+    except (TypeError, ValueError) as error:
+      raise type(error)(f"{_CALLER}: {error}") from None
   try:
     reducer = allreduce_gradients(comm, **allreduce_options)
   except (TypeError, ValueError) as error:

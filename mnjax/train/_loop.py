@@ -38,6 +38,7 @@ from mnjax.comm._wire import check_wire_dtype
 from mnjax.guard._consensus import check_replicas
 from mnjax.guard._watchdog import Watchdog
 from mnjax.optim._allreduce import allreduce_gradients
+from mnjax.optim._double_buffered import double_buffered_optimizer
 from mnjax.optim._nonfinite import SkipNonFiniteState, raise_if_diverging, skip_nonfinite
 from mnjax.optim._shard import shard_optimizer
 from mnjax.train._classifier import TrainState, evaluate, zero_sums
@@ -114,7 +115,9 @@ def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicato
   config's wire dtype and buckets: the chain `train_loop` expects. After the allreduce every
   rank holds the same gradient, so all skip a non-finite step together. With
   ``config.shard_optimizer``: ``skip_nonfinite(shard_optimizer(comm, optimizer, ...),
-  on="update")`` (the all-gathered update is the same on every rank).
+  on="update")`` (the all-gathered update is the same on every rank). With
+  ``config.double_buffering``: ``double_buffered_optimizer(skip_nonfinite(optimizer), comm,
+  ...)``, ChainerMN's (the optimizer first runs at the second step).
 
   Example:
     >>> config = RunConfig(epochs=1, global_batch_size=8, workdir="runs/x")
@@ -124,10 +127,10 @@ def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicato
     sharded = shard_optimizer(comm, optimizer, wire_dtype=config.wire_dtype,
                               bucket_bytes=bucket_bytes_from_mb(config.bucket_mb))
     return skip_nonfinite(sharded, on="update")
-  allreduce = allreduce_gradients(comm, wire_dtype=config.wire_dtype,
-                                  bucket_bytes=bucket_bytes_from_mb(config.bucket_mb),
-                                  double_buffering=config.double_buffering)
-  return optax.chain(allreduce, skip_nonfinite(optimizer))
+  options = dict(wire_dtype=config.wire_dtype, bucket_bytes=bucket_bytes_from_mb(config.bucket_mb))
+  if config.double_buffering:
+    return double_buffered_optimizer(skip_nonfinite(optimizer), comm, **options)
+  return optax.chain(allreduce_gradients(comm, **options), skip_nonfinite(optimizer))
 
 
 def _flushed(state: TrainState, comm: Communicator, config: RunConfig) -> TrainState:

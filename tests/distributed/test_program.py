@@ -187,3 +187,20 @@ def test_mnjax_own_collectives_are_not_refused(comm):
   step = mnjax.data_parallel(lambda x: mnjax.comm.allreduce_tree(x.sum(), c, mean=False), c,
                              batch_argnums=(0,))
   assert float(step(jnp.ones(2 * c.local_device_count))) == 2.0 * c.num_replicas
+
+
+def test_a_rank_dependent_scope_is_compared_by_shapes_only(comm):
+  def step(x):
+    with mnjax.guard.rank_dependent():
+      return x * (1.0 + comm.rank)
+
+  got = mnjax.data_parallel(step, comm, batch_argnums=())(jnp.ones(()))
+  assert float(got) == 1.0 + comm.rank
+
+
+def test_shard_optimizer_under_data_parallel_runs(comm):
+  # Each rank slices its own share: allowed (rank_dependent), the rest still compared.
+  tx = mnjax.shard_optimizer(comm, optax.adam(1e-2))
+  params, _ = run(comm, tx)
+  everyone = comm.mpi_comm.allgather(np.asarray(params["w"]))
+  assert all(np.array_equal(w, everyone[0]) for w in everyone)
