@@ -84,9 +84,9 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
       ChainerMN for good: Adam's count, momentum, weight decay); ChainerMN's semantics,
       where the actual optimizer first runs at the second step, are
       `mnjax.optim.double_buffered_optimizer`'s. One step stale: keep
-      `mnjax.skip_nonfinite` after it (a NaN is skipped one step later, on every rank); not with float16 loss scaling,
-      whose scale may change between the step that scaled a gradient and the one that
-      unscales it.
+      `mnjax.skip_nonfinite` after it (a NaN is skipped one step later, on every rank);
+      not with float16 loss scaling, whose scale may change between the step that scaled
+      a gradient and the one that unscales it.
 
   Returns:
     An `optax.GradientTransformation` with `optax.EmptyState`, or with double buffering a
