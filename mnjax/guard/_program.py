@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -141,7 +140,7 @@ def _walk(jaxpr: Any, depth: int, names: dict, ops: list, where: list | None) ->
     per_rank = RANK_DEPENDENT_SCOPE in str(eqn.source_info.name_stack)
     for key in sorted(eqn.params):
       value = eqn.params[key]
-      found = list(_jaxprs(value))
+      found = jaxprs_in(value)
       if found:
         subs.extend(found)
         params.append((key, f"<{len(found)} program(s), below>"))
@@ -159,7 +158,7 @@ def _walk(jaxpr: Any, depth: int, names: dict, ops: list, where: list | None) ->
     if where is not None:
       where.append(_where(eqn))
     for sub in subs:
-      inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+      inner = open_jaxpr(sub)
       sub_names = dict(names)
       if isinstance(sub, jcore.ClosedJaxpr):
         for i, (var, value) in enumerate(zip(inner.constvars, sub.consts)):
@@ -169,14 +168,39 @@ def _walk(jaxpr: Any, depth: int, names: dict, ops: list, where: list | None) ->
       _walk(inner, depth + 1, sub_names, ops, where)
 
 
-def _jaxprs(value: Any) -> Iterator[Any]:
-  """The jaxprs in a parameter value (a jaxpr, or a tuple of them: ``cond``'s branches)."""
-  if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-    yield value
-  elif isinstance(value, (tuple, list)):
-    for v in value:
-      if isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-        yield v
+def jaxprs_in(value: Any) -> list[Any]:
+  """The jaxprs in a parameter value (a jaxpr, or a tuple of them: ``cond``'s branches).
+
+  Example:
+    >>> closed = jax.make_jaxpr(lambda x: jax.lax.cond(x > 0, jnp.sin, jnp.cos, x))(1.0)
+    >>> len(jaxprs_in(closed.jaxpr.eqns[-1].params["branches"]))
+    2
+  """
+  items = value if isinstance(value, (tuple, list)) else (value,)
+  return [v for v in items if isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))]
+
+
+def open_jaxpr(program: Any) -> Any:
+  """The open `Jaxpr` of a closed or open one.
+
+  Example:
+    >>> closed = jax.make_jaxpr(jnp.sin)(1.0)
+    >>> open_jaxpr(closed) is closed.jaxpr
+    True
+  """
+  return program.jaxpr if isinstance(program, jcore.ClosedJaxpr) else program
+
+
+def axes_of(value: Any) -> tuple:
+  """A collective's axis parameter as a tuple of names (a name, a tuple of them, or None).
+
+  Example:
+    >>> axes_of("batch"), axes_of(("a", "b")), axes_of(None)
+    (('batch',), ('a', 'b'), ())
+  """
+  if value is None:
+    return ()
+  return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 def _aval(aval: Any) -> str:
@@ -352,7 +376,7 @@ def _difference(ref: Program, other: Program, i: int, rank: int) -> str:
 _AXIS_PARAMS = {"psum": "axes", "pmax": "axes", "pmin": "axes", "all_gather": "axis_name",
                 "all_to_all": "axis_name", "ppermute": "axis_name",
                 "reduce_scatter": "axis_name", "axis_index": "axis_name",
-                "pbroadcast": "axes", "psum_invariant": "axes"}
+                "pbroadcast": "axis_name", "psum_invariant": "axes"}
 
 
 def user_collectives(closed: jcore.ClosedJaxpr, axis_name: str, *,
@@ -374,14 +398,12 @@ def _scan_collectives(jaxpr: Any, axis_name: str, allowed_scope: str, found: lis
   for eqn in jaxpr.eqns:
     key = _AXIS_PARAMS.get(eqn.primitive.name)
     if key is not None:
-      axes = eqn.params.get(key)
-      axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+      axes = axes_of(eqn.params.get(key))
       frames = _frames(eqn)
       ours = bool(frames) and frames[0].file_name.startswith(_MNJAX_DIR)
       scoped = allowed_scope in str(eqn.source_info.name_stack)
       if axis_name in axes and not ours and not scoped:
         found.append(f"{eqn.primitive.name} over {axis_name!r} {_where(eqn)}".rstrip())
     for value in eqn.params.values():
-      for sub in _jaxprs(value):
-        _scan_collectives(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub,
-                          axis_name, allowed_scope, found)
+      for sub in jaxprs_in(value):
+        _scan_collectives(open_jaxpr(sub), axis_name, allowed_scope, found)

@@ -2,7 +2,8 @@
 
 * `SyncBatchNorm`: a drop-in for `flax.linen.BatchNorm` whose statistics are those of the
   global batch, over every device of every rank.
-* `allreduce_persistent`: averages batch statistics (or any persistent values) over ranks
+* `allreduce_persistent`: averages batch statistics (or any float persistent values; integer
+  counters pass through, checked equal) over ranks
   (a host collective of `mnjax.comm`, exported here too).
 
 Example::

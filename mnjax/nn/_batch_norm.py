@@ -69,6 +69,13 @@ class SyncBatchNorm(nn.Module):
   Initialisation (``model.init``) uses local statistics and issues no collective, like
   ``nn.BatchNorm``.
 
+  Half precision (e.g. float16 inputs with float32 parameters, ChainerMN's ``mixed16``): as
+  flax's, the statistics, their global sum (on the wire too) and the backward pass through
+  them are float32 (``force_float32_reductions=True``). A step whose float16 layers
+  differentiate each replica's mean loss then matches the whole batch to float32 rounding
+  only if the reference sums the replicas' means; against the global mean, float16 rounds
+  cotangents of another scale (1/replicas) differently, upstream of this layer.
+
   Call it on every rank, in the same layers, with the same feature shapes (SPMD); batch
   sizes may differ between ranks (the counts travel with the sums). In a step run by
   `mnjax.data_parallel` (training or forward-only) that is checked once per trace, before
@@ -121,7 +128,8 @@ class SyncBatchNorm(nn.Module):
           "SyncBatchNorm: axis_name/axis_index_groups must be None; the communicator"
           f" already reduces over every device of every rank (got axis_name={self.axis_name!r},"
           f" axis_index_groups={self.axis_index_groups!r}). For statistics over this"
-          " process's devices only, use flax's nn.BatchNorm(axis_name=comm.axis_name).")
+          " process's devices only, use flax's nn.BatchNorm(axis_name=comm.axis_name) inside"
+          " `with mnjax.process_local():` (data_parallel refuses it elsewhere).")
     use_running_average = nn.merge_param(
         "use_running_average", self.use_running_average, use_running_average)
     axes = tuple(a % x.ndim for a in np.atleast_1d(self.axis))

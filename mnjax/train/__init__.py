@@ -32,8 +32,9 @@ from mnjax.train._flags import check_fields, flag, load_config, parse_flags
 from mnjax.train._lock import WorkdirLock
 from mnjax.train._loop import RunConfig, guarded_optimizer, skipped_steps, train_loop
 from mnjax.train._metrics import allreduce_metrics, global_mean, mean_metrics
-from mnjax.train._parallel import data_parallel, process_local
+from mnjax.train._parallel import data_parallel
 from mnjax.train._pending import flush_pending
+from mnjax.train._step_checks import process_local
 from mnjax.train._workdir import MetricsLog, save_params, write_config
 
 __all__ = [

@@ -9,7 +9,7 @@ optimizer state). Inside, `allreduce_gradients` sums over the local axis and acr
 processes. User code that reduces over the same axis itself (a ``jax.lax.pmean`` or flax
 ``BatchNorm(axis_name=comm.axis_name)`` left from a pmap script) would reduce over this
 process's devices only (every device of the job under ``xla``), so it is refused there
-unless traced inside `process_local`.
+unless traced inside `mnjax.process_local`.
 
 Why one `shard_map`ped program per step (measured on 2 processes x 2 emulated devices,
 docs/design/multi_device.md): the cross-process MPI call sits *inside* the mapped step, as
@@ -37,34 +37,9 @@ from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.guard import _preflight as preflight
 from mnjax.guard import _program as program
+from mnjax.train import _step_checks as checks
 
-__all__ = ["data_parallel", "process_local"]
-
-#: The `jax.named_scope` that `process_local` opens (read by `mnjax.guard._program`).
-PROCESS_LOCAL_SCOPE = "mnjax_process_local"
-
-
-def process_local():
-  """A scope for collectives over ``comm.axis_name`` meant for this process's devices only.
-
-  Under the multi-device kinds other than ``xla``, `data_parallel` maps the step over this
-  process's devices only, so a ``jax.lax.pmean(x, comm.axis_name)`` or a flax
-  ``nn.BatchNorm(axis_name=comm.axis_name)`` would reduce over them alone, where under a
-  multi-host ``pmap`` it spanned every device of every host. `data_parallel` refuses such
-  collectives unless they are traced inside this scope, which says the local reduction is
-  meant (e.g. BatchNorm statistics per process, ChainerMN's per-rank BatchNorm).
-
-  Example:
-    >>> comm = mnjax.create_communicator("hierarchical")
-    >>> def step(x):
-    ...   with mnjax.process_local():
-    ...     return jax.lax.pmean(x, comm.axis_name)   # this process's devices, on purpose
-    >>> x = jnp.arange(float(comm.local_device_count))
-    >>> float(mnjax.data_parallel(step, comm, batch_argnums=(0,))(x)[0]) == float(x.mean())
-    True
-  """
-  return jax.named_scope(PROCESS_LOCAL_SCOPE)
-
+__all__ = ["data_parallel"]
 
 def data_parallel(
     fn: Callable[..., Any],
@@ -95,7 +70,7 @@ def data_parallel(
   ``comm.axis_name`` that user code left in the step (``jax.lax.pmean(x, "batch")`` from a
   pmap script) is refused under the kinds where it would span this process's devices only
   (``hierarchical``, ``two_dimensional``, ``single_node``) unless it is inside
-  `process_local`; under ``flat`` the axis is unbound, which is refused with the fix too.
+  `mnjax.process_local`; under ``flat`` the axis is unbound, which is refused with the fix too.
 
   Args:
     fn: ``fn(*args)``, written for one device and one device's share of the batch.
@@ -153,14 +128,17 @@ def data_parallel(
     # Traced once into a jaxpr (so that the ranks can compare it), then replayed into the
     # step's own trace: one Python trace of fn, one flat program, as with fn(*args).
     with preflight.recording() as collectives, first_device():  # SyncBatchNorm's, in order
-      closed, shapes = _trace(per_device, args, comm)
-    _check_local_collectives(closed, comm)
+      closed, shapes = checks.trace(per_device, args, comm)
+    checks.check_local_collectives(closed, comm)
+    if comm.multi_device:
+      checks.check_replicated_outputs(closed, args, shapes, comm, batch_argnums,
+                                      per_device_outputs)
     fresh = comm.size > 1 and tuple(collectives) not in agreed
     preflight.check_collective_sequence(comm, collectives, caller="data_parallel",
                                         agreed=agreed)
     if fresh and check_program:
       program.check_same_program(
-          comm, closed, caller="data_parallel", arg_paths=_arg_paths(args),
+          comm, closed, caller="data_parallel", arg_paths=checks.arg_paths(args),
           fix="or, if it really must differ, build data_parallel with check_program=False")
     flat = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(shapes), flat)
@@ -205,49 +183,6 @@ def data_parallel(
     return run(*args)
 
   return step
-
-
-def _trace(fn: Callable[..., Any], args: tuple, comm: Communicator) -> tuple:
-  """``jax.make_jaxpr(fn, return_shape=True)(*args)``, with a leftover pmap collective over
-  ``comm.axis_name`` under ``flat`` (an unbound axis there) refused with the fix."""
-  try:
-    return jax.make_jaxpr(fn, return_shape=True)(*args)
-  except NameError as error:
-    if repr(comm.axis_name) not in str(error) and comm.axis_name not in str(error):
-      raise
-    raise ValueError(
-        f"data_parallel: the step calls a collective over the axis {comm.axis_name!r} (e.g."
-        f" jax.lax.pmean(x, {comm.axis_name!r}) or flax BatchNorm(axis_name=...) left from a"
-        " pmap script), but the 'flat' kind runs one device per process, where no such axis"
-        " exists. Reduce across every device of every process with mnjax instead:"
-        " mnjax.comm.allreduce_tree(x, comm) (mean=True by default) inside the step,"
-        " mnjax.allreduce_gradients(comm) for gradients, mnjax.SyncBatchNorm(comm) for"
-        " BatchNorm, mnjax.mean_metrics(metrics, comm) for metrics after the step;"
-        " or drop the collective.") from error
-
-
-def _check_local_collectives(closed: Any, comm: Communicator) -> None:
-  """Refuses user collectives over ``comm.axis_name`` that would span this process only."""
-  if not comm.multi_device or comm.kind == "xla":
-    return  # flat: no axis (see `_trace`); xla: the axis spans every device of the job
-  found = program.user_collectives(closed, comm.axis_name, allowed_scope=PROCESS_LOCAL_SCOPE)
-  if found:
-    raise ValueError(
-        f"data_parallel: the step calls {len(found)} collective(s) over {comm.axis_name!r}"
-        f" that mnjax did not write ({'; '.join(found[:3])}{'; ...' if len(found) > 3 else ''})."
-        f" Under the {comm.kind!r} kind that axis spans this process's"
-        f" {comm.local_device_count} device(s) only, not every device of every process as"
-        " under a multi-host pmap, so the result would be silently local. Use"
-        " mnjax.comm.allreduce_tree(x, comm) (every device of every process),"
-        " mnjax.SyncBatchNorm(comm) for BatchNorm, mnjax.mean_metrics after the step; or,"
-        " if this process's devices only are meant, trace it inside `with"
-        " mnjax.process_local():`.")
-
-
-def _arg_paths(args: tuple) -> list[str]:
-  """A name per leaf of the step's arguments, for the program check's messages."""
-  return [f"argument {jax.tree_util.keystr(path)}"
-          for path, _ in jax.tree_util.tree_flatten_with_path(list(args))[0]]
 
 
 def _positions(value: Any, name: str, what: str) -> tuple[int, ...]:

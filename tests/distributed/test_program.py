@@ -204,3 +204,18 @@ def test_shard_optimizer_under_data_parallel_runs(comm):
   params, _ = run(comm, tx)
   everyone = comm.mpi_comm.allgather(np.asarray(params["w"]))
   assert all(np.array_equal(w, everyone[0]) for w in everyone)
+
+
+@pytest.mark.parametrize("kind", ["hierarchical", "two_dimensional"])
+def test_a_per_device_output_not_listed_is_refused(comm, kind):
+  c = mnjax.create_communicator(kind)
+  x = jnp.arange(2.0 * c.local_device_count)
+
+  def step(w, x):  # a per-device loss returned as if it were replicated
+    return w + mnjax.comm.allreduce_tree(x.sum(), c), jnp.sum(x * w)
+
+  with pytest.raises(ValueError, match=r"output leaf.*\[1\].*per_device_outputs"):
+    mnjax.data_parallel(step, c, batch_argnums=(1,))(jnp.ones(()), x)
+  w, loss = mnjax.data_parallel(step, c, batch_argnums=(1,), per_device_outputs=(1,))(
+      jnp.ones(()), x)
+  assert loss.shape == (c.local_device_count,)

@@ -1,0 +1,132 @@
+"""What `mnjax.data_parallel` checks in a traced step before it first runs, beyond the ranks'
+agreement (`mnjax.guard._preflight`, `mnjax.guard._program`): the step's meaning under pmap.
+
+A pmap script's step keeps its meaning only if nothing in it silently becomes local to one
+process: a leftover ``lax.pmean(x, "batch")`` reduces over this process's devices only
+under the multi-device MPI kinds (`check_local_collectives`; `process_local` marks a local
+reduction that is meant), and an output that differs per device but is not listed in
+``per_device_outputs`` comes back as local device 0's value (`check_replicated_outputs`,
+from `mnjax.train._replicated.varying_outputs`). Under ``flat`` the axis is unbound, and
+`trace` turns JAX's error into one with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from mnjax.comm._communicator import Communicator
+from mnjax.guard import _program as program
+from mnjax.optim._accumulation import AccumulationState
+from mnjax.optim._double_buffering import DoubleBufferingState
+from mnjax.train import _replicated as replicated
+
+__all__ = ["arg_paths", "check_local_collectives", "check_replicated_outputs", "process_local",
+           "trace"]
+
+#: The `jax.named_scope` that `process_local` opens (read by `mnjax.guard._program`).
+PROCESS_LOCAL_SCOPE = "mnjax_process_local"
+
+
+def process_local():
+  """A scope for collectives over ``comm.axis_name`` meant for this process's devices only.
+
+  Under the multi-device kinds other than ``xla``, `data_parallel` maps the step over this
+  process's devices only, so a ``jax.lax.pmean(x, comm.axis_name)`` or a flax
+  ``nn.BatchNorm(axis_name=comm.axis_name)`` would reduce over them alone, where under a
+  multi-host ``pmap`` it spanned every device of every host. `data_parallel` refuses such
+  collectives unless they are traced inside this scope, which says the local reduction is
+  meant (e.g. BatchNorm statistics per process, ChainerMN's per-rank BatchNorm).
+
+  Example:
+    >>> comm = mnjax.create_communicator("hierarchical")
+    >>> def step(x):
+    ...   with mnjax.process_local():
+    ...     return jax.lax.pmean(x, comm.axis_name)   # this process's devices, on purpose
+    >>> x = jnp.arange(float(comm.local_device_count))
+    >>> float(mnjax.data_parallel(step, comm, batch_argnums=(0,))(x)[0]) == float(x.mean())
+    True
+  """
+  return jax.named_scope(PROCESS_LOCAL_SCOPE)
+
+
+def trace(fn: Callable[..., Any], args: tuple, comm: Communicator) -> tuple:
+  """``jax.make_jaxpr(fn, return_shape=True)(*args)``, with a leftover pmap collective over
+  ``comm.axis_name`` under ``flat`` (an unbound axis there) refused with the fix."""
+  try:
+    return jax.make_jaxpr(fn, return_shape=True)(*args)
+  except NameError as error:
+    if repr(comm.axis_name) not in str(error) and comm.axis_name not in str(error):
+      raise
+    raise ValueError(
+        f"data_parallel: the step calls a collective over the axis {comm.axis_name!r} (e.g."
+        f" jax.lax.pmean(x, {comm.axis_name!r}) or flax BatchNorm(axis_name=...) left from a"
+        " pmap script), but the 'flat' kind runs one device per process, where no such axis"
+        " exists. Reduce across every device of every process with mnjax instead:"
+        " mnjax.comm.allreduce_tree(x, comm) (mean=True by default) inside the step,"
+        " mnjax.allreduce_gradients(comm) for gradients, mnjax.SyncBatchNorm(comm) for"
+        " BatchNorm, mnjax.mean_metrics(metrics, comm) for metrics after the step;"
+        " or drop the collective.") from error
+
+
+def check_local_collectives(closed: Any, comm: Communicator) -> None:
+  """Refuses user collectives over ``comm.axis_name`` that would span this process only."""
+  if not comm.multi_device or comm.kind == "xla":
+    return  # flat: no axis (see `trace`); xla: the axis spans every device of the job
+  found = program.user_collectives(closed, comm.axis_name, allowed_scope=PROCESS_LOCAL_SCOPE)
+  if found:
+    raise ValueError(
+        f"data_parallel: the step calls {len(found)} collective(s) over {comm.axis_name!r}"
+        f" that mnjax did not write ({'; '.join(found[:3])}{'; ...' if len(found) > 3 else ''})."
+        f" Under the {comm.kind!r} kind that axis spans this process's"
+        f" {comm.local_device_count} device(s) only, not every device of every process as"
+        " under a multi-host pmap, so the result would be silently local. Use"
+        " mnjax.comm.allreduce_tree(x, comm) (every device of every process),"
+        " mnjax.SyncBatchNorm(comm) for BatchNorm, mnjax.mean_metrics after the step; or,"
+        " if this process's devices only are meant, trace it inside `with"
+        " mnjax.process_local():`.")
+
+
+#: State that keeps each device's own values by design (double buffering's pending gradient,
+#: accumulation's partial sums): not refused as varying outputs (see their own checks).
+_PER_DEVICE_STATE = (DoubleBufferingState, AccumulationState)
+
+
+def check_replicated_outputs(closed: Any, args: tuple, shapes: Any, comm: Communicator,
+                              batch_argnums: tuple, per_device_outputs: tuple) -> None:
+  """Refuses outputs that may differ across the local devices but come back as device 0's
+  (`mnjax.train._replicated.varying_outputs`), naming the first few and the fix."""
+  varying_in = [i in batch_argnums
+                for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+  varying = replicated.varying_outputs(closed, varying_in, comm.axis_name)
+  positions = (enumerate(shapes) if isinstance(shapes, (tuple, list)) and per_device_outputs
+               else [(None, shapes)])
+  found, k = [], 0
+  for i, out in positions:
+    parts = jax.tree.flatten(out, is_leaf=lambda x: isinstance(x, _PER_DEVICE_STATE))[0]
+    exempt = [isinstance(p, _PER_DEVICE_STATE) for p in parts for _ in jax.tree.leaves(p)]
+    paths = [jax.tree_util.keystr(path) or "<root>"
+             for path, _ in jax.tree_util.tree_flatten_with_path(out)[0]]
+    for j, path in enumerate(paths):
+      if varying[k + j] and not exempt[j] and i not in per_device_outputs:
+        found.append(path if i is None else f"output {i} leaf {path}")
+    k += len(paths)
+  if found:
+    raise ValueError(
+        f"data_parallel: {len(found)} output leaf(s) may differ across this process's"
+        f" {comm.local_device_count} local devices (computed from the batch without a"
+        f" reduction over {comm.axis_name!r}) but are not in per_device_outputs:"
+        f" {', '.join(found[:4])}{', ...' if len(found) > 4 else ''}. Under {comm.kind!r}"
+        " only local device 0's value would come back (e.g. device 0's loss, not the"
+        " batch's, or device 0's BatchNorm statistics). Return a tuple and list its position"
+        " in per_device_outputs for one row per device (then average them, or use"
+        " mnjax.mean_metrics), or reduce it in the step (mnjax.comm.allreduce_tree(x, comm)"
+        " for every device of every process; mnjax.SyncBatchNorm for BatchNorm).")
+
+
+def arg_paths(args: tuple) -> list[str]:
+  """A name per leaf of the step's arguments, for the program check's messages."""
+  return [f"argument {jax.tree_util.keystr(path)}"
+          for path, _ in jax.tree_util.tree_flatten_with_path(list(args))[0]]
