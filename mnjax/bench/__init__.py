@@ -33,4 +33,12 @@ the dated results are in docs/results/, the JSON they come from in docs/results/
   ``chain(allreduce_gradients, adam)`` at 1, 2 and 3 ranks: optimizer-state bytes per rank
   and step time, on the digits CNN train step and on a ResNet-50-sized tree (the update
   step only).
+* ``python -m mnjax.bench aot``: the experiments' ResNet-50 step compiled for 8 and 4x8 H200
+  without a GPU (`mnjax.aot`; the CUDA plugin's venv): overlap of the gradient exchange,
+  combining, memory per GPU and the largest batch, collective order, the MPI kinds and plain
+  ``jax.jit`` side by side, from the compiled schedule (``--quick`` for tests).
+* ``python -m mnjax.bench cluster``: the gradient exchange between emulated nodes over
+  shaped links (`mnjax.cluster`, needs root): unshaped, 1 and 10 Gbit/s, 2 and 4 nodes; per
+  kind and wire the uplink bytes and exchange time, measured and predicted by
+  `mnjax.costmodel.link` fitted on the same link.
 """

@@ -1,4 +1,5 @@
-"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks,scaling,gpu,zero} [--options]``.
+"""``python -m mnjax.bench {allreduce,step,kinds,resnet,checks,scaling,gpu,zero,aot,cluster}
+[--options]``.
 
 ``--help`` per benchmark.
 """
@@ -14,6 +15,8 @@ BENCHMARKS = {
     "scaling": "mnjax.bench.scaling",
     "gpu": "mnjax.bench.gpu",
     "zero": "mnjax.bench.zero",
+    "aot": "mnjax.bench.aot",
+    "cluster": "mnjax.bench.cluster",
 }
 
 

@@ -8,7 +8,11 @@ No machine here has more than two cores; the road to 128-1024 GPUs is this model
 * `step`: step time with or without overlap (backward, double buffering), wire dtype and
   bucketing, the bucket size of lowest step time, and weak-scaling efficiency;
 * `published`: the published points the model must reproduce before it predicts;
-* `calibrate`: link and software overhead fitted to ``python -m mnjax.bench allreduce``.
+* `calibrate`: link and software overhead fitted to ``python -m mnjax.bench allreduce``;
+* `compiled`: compute time from the compiler's cost analysis and predictions from the
+  compiled overlap share (``python -m mnjax.bench aot``);
+* `link`: uplink bytes per exchange and alpha/beta fitted on an emulated link
+  (``python -m mnjax.bench cluster``).
 
     >>> from mnjax import costmodel as cm
     >>> c = cm.hardware.cluster("mn_1", gpus=1024)
@@ -17,9 +21,9 @@ No machine here has more than two cores; the road to 128-1024 GPUs is this model
     0.76
 """
 
-from mnjax.costmodel import allreduce, calibrate, hardware, published, step
+from mnjax.costmodel import allreduce, calibrate, compiled, hardware, link, published, step
 from mnjax.costmodel.hardware import Cluster, Link
 from mnjax.costmodel.step import Software, StepTime, Workload, efficiency, step_time
 
 __all__ = ["Cluster", "Link", "Software", "StepTime", "Workload", "allreduce", "calibrate",
-           "efficiency", "hardware", "published", "step", "step_time"]
+           "compiled", "efficiency", "hardware", "link", "published", "step", "step_time"]

@@ -10,6 +10,8 @@
 * The classifier (`create_train_state`, `make_train_step`, `evaluate` over masked batches):
   one state, step and evaluation, with or without batch statistics.
 * `train_loop`: the guarded epoch loop every experiment runs, with its `RunConfig`.
+* `PreemptionSignals` / `Preempted` / `requeued`: SIGTERM/SIGUSR1 (Slurm's scancel,
+  ``--signal``) checkpoint and stop the loop; a requeued Slurm job resumes by itself.
 * `parse_flags`: flags from a frozen config dataclass and ``get_config()`` files.
 
 Example::
@@ -34,11 +36,14 @@ from mnjax.train._loop import RunConfig, guarded_optimizer, skipped_steps, train
 from mnjax.train._metrics import allreduce_metrics, global_mean, mean_metrics
 from mnjax.train._parallel import data_parallel
 from mnjax.train._pending import flush_pending
+from mnjax.train._preemption import Preempted, PreemptionSignals, parse_signals, requeued
 from mnjax.train._step_checks import process_local
 from mnjax.train._workdir import MetricsLog, save_params, write_config
 
 __all__ = [
     "MetricsLog",
+    "Preempted",
+    "PreemptionSignals",
     "RunConfig",
     "TrainState",
     "WorkdirLock",
@@ -58,7 +63,9 @@ __all__ = [
     "make_train_step",
     "mean_metrics",
     "parse_flags",
+    "parse_signals",
     "process_local",
+    "requeued",
     "save_params",
     "skipped_steps",
     "train_loop",

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -46,6 +47,7 @@ from mnjax.train._flags import check_fields, flag
 from mnjax.train._lock import WorkdirLock
 from mnjax.train._metrics import allreduce_metrics, global_mean
 from mnjax.train._pending import flush_pending
+from mnjax.train._preemption import Preempted, PreemptionSignals, parse_signals, requeued
 from mnjax.train._workdir import MetricsLog, write_config
 
 __all__ = ["RunConfig", "guarded_optimizer", "skipped_steps", "train_loop"]
@@ -98,10 +100,13 @@ class RunConfig:
                               " apart; 0 disables it")
   baseline_workdir: str = flag("", help="a 1-rank run of the same config: report the"
                                " parallel efficiency against it")
+  checkpoint_on_signal: str = flag("TERM,USR1", help="signals that make the run checkpoint"
+                                   " and stop (Slurm's scancel, --signal); '' for none")
 
   def __post_init__(self):
     check_fields(self)
     check_wire_dtype(self.wire_dtype, "--wire_dtype")
+    parse_signals(self.checkpoint_on_signal)
     bucket_bytes_from_mb(self.bucket_mb)
     if self.shard_optimizer and self.double_buffering:
       raise ValueError(
@@ -199,9 +204,10 @@ def _evaluation(state: TrainState, eval_batches: Callable[[], Iterable] | None,
 
 def _epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: Any, step: int, *,
            train_step: Callable, batches: Iterable, epoch: int, begin: int, steps: int,
-           watchdog: Watchdog | None, checkpoints: Any):
+           watchdog: Watchdog | None, checkpoints: Any, preemption: PreemptionSignals):
   """Steps ``begin .. steps - 1`` of `epoch` -> ``(state, sums, step, images, input wait,
-  seconds)``; checkpoints every ``config.checkpoint_steps`` steps."""
+  seconds)``; checkpoints every ``config.checkpoint_steps`` steps, and raises `Preempted`
+  after a checkpoint when `preemption` reports a signal."""
   bar = tqdm(total=steps - begin, desc=f"epoch {epoch}", leave=False,
              disable=not (comm.is_root and config.progress))
   iterator = iter(batches)
@@ -225,15 +231,34 @@ def _epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: Any, 
       images += len(batch[1])
       step += 1
       bar.update()
-      if config.checkpoint_steps and step % config.checkpoint_steps == 0:
+      saved = bool(config.checkpoint_steps) and step % config.checkpoint_steps == 0
+      if saved:
         state = _flushed(state, comm, config)
         checkpoints.save(step, state, sums, epoch, i + 1)
+      signum = preemption.poll()
+      if signum:
+        if not saved:  # flushing twice would sum the pending gradients twice
+          state = _flushed(state, comm, config)
+          checkpoints.save(step, state, sums, epoch, i + 1)
+        checkpoints.wait()
+        _stop(comm, config, signum, step, epoch, i + 1)
     jax.block_until_ready(state)
   finally:
     bar.close()
     if hasattr(iterator, "close"):  # a generator: stop its prefetching now
       iterator.close()
   return state, sums, step, images, waited, max(time.perf_counter() - start, 1e-9)
+
+
+def _stop(comm: Communicator, config: RunConfig, signum: int, step: int, epoch: int,
+          batch: int):
+  """Raises `Preempted` (on every rank) after the checkpoint a signal asked for."""
+  name = signal.Signals(signum).name
+  if comm.is_root:
+    print(f"mnjax: {name} received: checkpointed at step {step} (epoch {epoch}, batch"
+          f" {batch}) in {config.workdir}/checkpoints; stopping. Run the same command with"
+          " --resume to continue (a requeued Slurm job resumes by itself).", flush=True)
+  raise Preempted(128 + signum)
 
 
 def _holding_the_workdir(loop: Callable) -> Callable:
@@ -287,8 +312,9 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
   for name in ("double_buffering", "shard_optimizer"):  # another optimizer state: refuse
     if getattr(config, name):  # a resume with the other setting, in those words
       settings[name] = True
+  resume = config.resume or requeued()  # Slurm's requeue reruns the same command
   checkpoints = LoopCheckpoints(
-      os.path.join(config.workdir, "checkpoints"), comm, resume=config.resume,
+      os.path.join(config.workdir, "checkpoints"), comm, resume=resume,
       keep=config.keep_checkpoints, settings=settings)
   try:
     state, sums, first_epoch, first_batch = checkpoints.start(state, zero_sums())
@@ -302,7 +328,7 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
   step = int(state.step)
   write_config(config.workdir, config, comm)
   log = MetricsLog(config.workdir, comm)
-  if config.resume:  # records past the restored position are of work the checkpoint lost
+  if resume:  # records past the restored position are of work the checkpoint lost
     log.truncate_after(first_epoch - 1)
   baseline = _baseline_rate(config.baseline_workdir)
   if comm.is_root:
@@ -318,12 +344,14 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
     stack.enter_context(checkpoints)  # leaving normally: waits for the last save, collective
     if watchdog is not None:
       stack.enter_context(watchdog)
+    preemption = stack.enter_context(
+        PreemptionSignals(comm, parse_signals(config.checkpoint_on_signal)))
     for epoch in range(first_epoch, config.epochs + 1):
       begin = min(first_batch if epoch == first_epoch else 0, steps_per_epoch)
       state, sums, step, images, waited, seconds = _epoch(
           config, comm, state, sums, step, train_step=train_step, batches=batches(epoch, begin),
           epoch=epoch, begin=begin, steps=steps_per_epoch, watchdog=watchdog,
-          checkpoints=checkpoints)
+          checkpoints=checkpoints, preemption=preemption)
       check_replicas({"params": state.params, "batch_stats": state.batch_stats}, comm)
       train = global_mean(allreduce_metrics(sums, comm))
       per_rank = images / seconds

@@ -40,7 +40,7 @@ def test_unknown_benchmark_is_a_clear_error():
   result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
   usage = ("usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks, scaling, gpu,"
-           " zero}")
+           " zero, aot, cluster}")
   assert result.returncode != 0 and usage in result.stderr
 
 

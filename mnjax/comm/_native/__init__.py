@@ -32,8 +32,20 @@ from pathlib import Path
 __all__ = ["LIBRARY", "SOURCE", "TARGETS", "allreduce_calls", "build", "collective_counts",
            "handlers", "is_stale"]
 
+
+
+def _abi_suffix() -> str:
+  """'' under MPICH (the `mpich` wheel), else ``-<vendor>`` (``-openmpi``): one library per
+  MPI, so venvs built against different MPIs (``MNJAX_MPI=system``) share the source tree
+  without loading each other's build."""
+  from mpi4py import MPI  # noqa: PLC0415 (already loaded by mnjax.comm)
+
+  vendor = MPI.get_vendor()[0]
+  return "" if vendor == "MPICH" else "-" + "".join(c for c in vendor.lower() if c.isalnum())
+
+
 SOURCE = Path(__file__).with_name("mpi_collectives.cc")
-LIBRARY = Path(__file__).with_name("_mpi_collectives.so")
+LIBRARY = Path(__file__).with_name(f"_mpi_collectives{_abi_suffix()}.so")
 TARGETS = ("mnjax_mpi_allreduce", "mnjax_mpi_alltoall", "mnjax_mpi_allgather")
 
 

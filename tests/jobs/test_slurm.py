@@ -1,0 +1,262 @@
+"""The README's Slurm lines on a real Slurm: Debian's slurm-wlm with two slurmd nodes on this
+host (scripts/slurm.sh), srun through PMI-2 (MpiDefault=pmi2: what the mpich wheel and
+Debian's Slurm share), sbatch of scripts/train.sbatch, and preemption as clusters do it
+(scancel, scontrol requeue, --signal). Skipped where Slurm cannot run (not
+installed, or not root: the main suite on a fresh machine; scripts/ci_cluster_launchers.sh
+installs it and runs this file). docs/design/launchers.md says what each case proves."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+from support.launch import REPO, run_mpi
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
+
+SLURM = REPO / "scripts" / "slurm.sh"
+EPOCHS = 8
+FLAGS = ["--epochs", str(EPOCHS), "--no-progress"]
+TRAIN = [sys.executable, "experiments/train.py"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  """The environment that reaches the cluster (``SLURM_CONF``); brought up for this module
+  and down after it unless it was up before."""
+  if shutil.which("slurmctld") is None or os.geteuid() != 0:
+    pytest.skip("needs Slurm installed and root (the daemons run as root): run"
+                " scripts/slurm.sh up as root first (it installs Debian's slurm-wlm), or"
+                " scripts/ci_cluster_launchers.sh")
+  was_up = subprocess.run([SLURM, "status"], capture_output=True).returncode == 0
+  up = subprocess.run([SLURM, "up"], capture_output=True, text=True, timeout=900)
+  if up.returncode != 0:
+    pytest.skip(f"scripts/slurm.sh up failed here: {up.stderr[-3000:]}")
+  conf = re.search(r"export SLURM_CONF=(\S+)", subprocess.run(
+      [SLURM, "env"], capture_output=True, text=True).stdout).group(1)
+  # A job's own SLURM_* (pytest run inside an allocation) must not leak into these jobs.
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+  yield {**env, "SLURM_CONF": conf}
+  if not was_up:
+    subprocess.run([SLURM, "down"], capture_output=True, timeout=300)
+
+
+def slurm(cluster, *cmd, timeout=60):
+  """A Slurm client command (squeue, scontrol, scancel) -> its stdout."""
+  out = subprocess.run(cmd, env=cluster, capture_output=True, text=True, timeout=timeout)
+  assert out.returncode == 0, f"{cmd}: {out.stderr}"
+  return out.stdout
+
+
+def start(cluster, cmd):
+  """Starts `cmd` (srun/sbatch ...) from the repository root, output merged."""
+  return subprocess.Popen(cmd, cwd=REPO, env=cluster, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(cluster, proc, name, timeout):
+  """Waits for `proc`; after `timeout` s cancels job `name`, kills it, fails with the output."""
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    subprocess.run(["scancel", "--name", name], env=cluster, timeout=30)
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate()
+    raise AssertionError(f"{proc.args} did not finish in {timeout} s. Output:\n{out}") from None
+  return proc.returncode, out
+
+
+def srun(cluster, args, *, timeout=300, layout=("-N", "2", "-n", "2")):
+  name = f"mnjax-{uuid.uuid4().hex[:8]}"
+  return finish(cluster, start(cluster, ["srun", "-J", name, *layout, *args]), name, timeout)
+
+
+def wait_for_epoch(workdir, proc, timeout=240):
+  """Returns once `workdir` holds an epoch's record (the job is training)."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if (workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text():
+      return
+    assert proc is None or proc.poll() is None, proc.communicate()[0][-5000:]
+    time.sleep(0.2)
+  raise AssertionError(f"no epoch record in {workdir} after {timeout} s")
+
+
+def assert_bitwise(a_dir, b_dir):
+  a, b = np.load(a_dir / "params.npz"), np.load(b_dir / "params.npz")
+  assert sorted(a) == sorted(b)
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+  """The main job, uninterrupted, under srun on two nodes."""
+  workdir = tmp_path_factory.mktemp("slurm") / "reference"
+  rc, out = srun(cluster, [*TRAIN, *FLAGS, "--workdir", str(workdir)])
+  assert rc == 0, out[-5000:]
+  assert "2 rank(s) on 2 node(s)" in out and "final test accuracy" in out
+  return workdir
+
+
+def test_srun_trains_the_same_parameters_as_mpirun(cluster, reference, tmp_path):
+  # Two ranks: a sum of two float32 values does not depend on which rank adds, so MPICH's
+  # choice of algorithm (it sees 2 nodes under srun, 1 under mpirun) cannot change a bit.
+  result = run_mpi(2, ["experiments/train.py", *FLAGS, "--workdir", str(tmp_path)],
+                   timeout=300)
+  assert result.returncode == 0, result.stdout[-5000:]
+  assert_bitwise(reference, tmp_path)
+
+
+def test_the_readme_srun_line_runs_as_written(cluster, reference, tmp_path):
+  # README: srun -N N --ntasks-per-node=8 --cpu-bind=cores python experiments/train.py
+  # (no --mpi: MpiDefault); here 2 nodes x 1 task, the flat kind on CPUs.
+  rc, out = srun(cluster, [*TRAIN, *FLAGS, "--workdir", str(tmp_path)],
+                 layout=("-N", "2", "--ntasks-per-node=1", "--cpu-bind=cores"))
+  assert rc == 0, out[-5000:]
+  assert_bitwise(reference, tmp_path)
+
+
+TOPOLOGY = """
+import json, os, mnjax
+comm = mnjax.create_communicator("flat")
+env = {k: int(os.environ[k]) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                                       "SLURM_NODEID", "SLURM_NNODES")}
+print("TOPOLOGY", json.dumps({**env, "rank": comm.rank, "size": comm.size,
+      "intra_rank": comm.intra_rank, "intra_size": comm.intra_size,
+      "inter_rank": comm.inter_rank, "inter_size": comm.inter_size}), flush=True)
+"""
+
+
+def test_the_communicators_nodes_are_slurms_nodes(cluster):
+  # Two slurmd on one host: MPICH's node split follows the PMI's process mapping, i.e.
+  # Slurm's nodes, not the host (the MPI_COMM_TYPE_SHARED split the communicator reads).
+  rc, out = srun(cluster, [sys.executable, "-c", TOPOLOGY],
+                 layout=("-N", "2", "--ntasks-per-node=2"))
+  assert rc == 0, out[-5000:]
+  rows = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+          if line.startswith("TOPOLOGY ")]
+  assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3]
+  for r in rows:
+    assert r["rank"] == r["SLURM_PROCID"] and r["size"] == r["SLURM_NTASKS"] == 4, r
+    assert r["intra_rank"] == r["SLURM_LOCALID"] and r["intra_size"] == 2, r
+    assert r["inter_rank"] == r["SLURM_NODEID"] and r["inter_size"] == r["SLURM_NNODES"] == 2, r
+
+
+def test_scancel_then_resume_equals_the_uninterrupted_run(cluster, reference, tmp_path):
+  name = f"mnjax-{uuid.uuid4().hex[:8]}"
+  proc = start(cluster, ["srun", "-J", name, "-N", "2", "-n", "2", *TRAIN, *FLAGS,
+                         "--workdir", str(tmp_path)])
+  wait_for_epoch(tmp_path, proc)
+  slurm(cluster, "scancel", "--name", name)  # SIGTERM now, SIGKILL after KillWait
+  rc, out = finish(cluster, proc, name, timeout=120)
+  found = re.search(r"SIGTERM received: checkpointed at step (\d+)", out)
+  assert rc != 0 and found and "final test accuracy" not in out, out[-5000:]
+  assert not (tmp_path / "params.npz").exists()
+
+  rc, out = srun(cluster, [*TRAIN, *FLAGS, "--workdir", str(tmp_path), "--resume"])
+  assert rc == 0, out[-5000:]
+  assert f"(step {found.group(1)})" in out, out[-3000:]  # from the signal's checkpoint
+  assert_bitwise(reference, tmp_path)
+
+
+def job_state(cluster, job):
+  return re.search(r"JobState=(\S+)", slurm(cluster, "scontrol", "show", "job", job)).group(1)
+
+
+def test_sbatch_of_the_example_script_requeued_resumes_by_itself(cluster, reference, tmp_path):
+  workdir, log = tmp_path / "run", tmp_path / "job.out"
+  job = slurm(cluster, "sbatch", "--parsable", "-N", "2", "--ntasks-per-node=1",
+              f"--output={log}", "scripts/train.sbatch", *FLAGS[:2],
+              "--workdir", str(workdir)).strip()
+  try:
+    wait_for_epoch(workdir, None)
+    slurm(cluster, "scontrol", "requeue", job)  # what preemption with requeue does
+    # A requeued job waits (BeginTime) before it may start again: start it now.
+    deadline = time.monotonic() + 60
+    while job_state(cluster, job) != "PENDING" and time.monotonic() < deadline:
+      time.sleep(0.5)
+    slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")
+    deadline = time.monotonic() + 300
+    while job_state(cluster, job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+      assert time.monotonic() < deadline, log.read_text()[-5000:]
+      time.sleep(0.5)
+  finally:
+    subprocess.run(["scancel", job], env=cluster, timeout=30)
+  out = log.read_text()
+  assert job_state(cluster, job) == "COMPLETED", out[-5000:]
+  assert "attempt 0" in out and "attempt 1" in out, out[-5000:]
+  assert "SIGTERM received: checkpointed at step" in out, out[-5000:]
+  assert re.search(r"resuming at epoch \d+, batch \d+ \(step \d+\)", out), out[-5000:]
+  assert_bitwise(reference, workdir)
+
+
+def test_usr1_from_slurm_checkpoints_the_job_and_resume_finishes(cluster, tmp_path):
+  # What `--signal=USR1@N` delivers before the time limit, sent now (`scancel --signal`) to
+  # every task of the example batch job: the run checkpoints at the next step and stops.
+  workdir, log = tmp_path / "run", tmp_path / "job.out"
+  job = slurm(cluster, "sbatch", "--parsable", "--no-requeue", "-N", "2",
+              "--ntasks-per-node=1", f"--output={log}", "scripts/train.sbatch", *FLAGS[:2],
+              "--checkpoint_every", "0", "--workdir", str(workdir)).strip()
+  try:
+    wait_for_epoch(workdir, None)
+    slurm(cluster, "scancel", "--signal=USR1", job)  # the tasks of its steps, not the shell
+    deadline = time.monotonic() + 120
+    while job_state(cluster, job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+      assert time.monotonic() < deadline, log.read_text()[-5000:]
+      time.sleep(0.5)
+  finally:
+    subprocess.run(["scancel", job], env=cluster, timeout=30)
+  out = log.read_text()
+  found = re.search(r"SIGUSR1 received: checkpointed at step (\d+)", out)
+  assert job_state(cluster, job) == "FAILED" and found, out[-5000:]  # exit code 138
+  assert os.listdir(workdir / "checkpoints") == [found.group(1)]  # the only checkpoint
+  rc, out = srun(cluster, [*TRAIN, *FLAGS, "--workdir", str(workdir), "--resume"])
+  assert rc == 0 and f"(step {found.group(1)})" in out, out[-5000:]
+
+
+def rank_pids(workdir):
+  """{rank: pid} of the processes running experiments/train.py in `workdir` (from /proc)."""
+  found = {}
+  for proc in os.listdir("/proc"):
+    try:
+      cmdline = open(f"/proc/{proc}/cmdline", "rb").read().split(b"\0")
+      environ = open(f"/proc/{proc}/environ", "rb").read().split(b"\0")
+    except OSError:
+      continue
+    if b"experiments/train.py" in cmdline and str(workdir).encode() in cmdline:
+      for var in environ:
+        if var.startswith(b"PMI_RANK="):
+          found[int(var[9:])] = int(proc)
+  return found
+
+
+def test_sigterm_to_one_rank_under_mpirun_checkpoints_on_every_rank(tmp_path):
+  # No Slurm needed (runs in the main suite): the signal reaches rank 1 only, every rank
+  # agrees to stop at the same step, rank 0 writes the checkpoint, --resume continues.
+  from support.launch import mpirun_path
+  args = [mpirun_path(), "-n", "2", sys.executable, "experiments/train.py", *FLAGS,
+          "--workdir", str(tmp_path)]
+  proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+  try:
+    wait_for_epoch(tmp_path, proc)
+    os.kill(rank_pids(tmp_path)[1], signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  found = re.search(r"SIGTERM received: checkpointed at step (\d+) \(epoch (\d+)", out)
+  assert proc.returncode != 0 and found and "final test accuracy" not in out, out[-5000:]
+  assert found.group(1) in os.listdir(tmp_path / "checkpoints")
+  result = run_mpi(2, ["experiments/train.py", *FLAGS, "--workdir", str(tmp_path), "--resume"],
+                   timeout=300)
+  assert result.returncode == 0, result.stdout[-5000:]
+  assert f"(step {found.group(1)})" in result.stdout and "final test accuracy" in result.stdout

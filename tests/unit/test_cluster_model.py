@@ -1,0 +1,75 @@
+"""mnjax.cluster without namespaces (argument checks, the mpirun line, the job's environment) and
+mnjax.costmodel.link (uplink bytes, the alpha/beta fit)."""
+
+import pytest
+
+from mnjax import cluster
+from mnjax.costmodel import link
+
+
+@pytest.mark.parametrize("rate,bits", [("1gbit", 1e9), ("10GBIT", 1e10), ("500mbit", 5e8),
+                                       ("none", None)])
+def test_rates(rate, bits):
+  assert cluster.rate_bits(rate) == bits
+
+
+@pytest.mark.parametrize("rate", ["1gbyte", "fast", "0gbit", "-1gbit", ""])
+def test_bad_rates_say_what_is_expected(rate):
+  with pytest.raises(cluster.ClusterError, match="expected a positive tc rate"):
+    cluster.rate_bits(rate)
+
+
+def test_without_root_it_says_so(monkeypatch):
+  monkeypatch.setattr("os.geteuid", lambda: 1000)
+  with pytest.raises(cluster.ClusterError, match="needs root"):
+    cluster.check_available()
+  with pytest.raises(cluster.ClusterError, match="needs root"):
+    cluster.up(2, "1gbit")
+
+
+def test_too_many_nodes_before_anything_is_built():
+  with pytest.raises(cluster.ClusterError, match="between 1 and 253"):
+    cluster.up(254, "1gbit")
+
+
+def test_the_mpirun_line_enters_each_node_through_the_wrapper(tmp_path):
+  c = cluster.Cluster("x", 3, "1gbit")
+  line = cluster.command(c, ["python", "job.py"], 2, tmp_path / "w.sh")
+  assert line[:4] == ["ip", "netns", "exec", "mnjaxc-x-hub"]
+  i = line.index("-hosts")
+  assert line[i + 1] == "10.231.0.1,10.231.0.2,10.231.0.3"
+  assert line[line.index("-n") + 1] == "6" and line[line.index("-ppn") + 1] == "2"
+  assert line[line.index("-launcher-exec") + 1] == str(tmp_path / "w.sh")
+  assert line[-2:] == ["python", "job.py"]
+
+
+def test_the_job_uses_tcp_between_nodes_and_keeps_the_users_settings(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  monkeypatch.delenv("UCX_TLS", raising=False)
+  env = cluster.job_env(2)
+  assert env["UCX_TLS"] == "tcp,self" and env["UCX_NET_DEVICES"] == "eth0"
+  assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+  monkeypatch.setenv("UCX_TLS", "tcp")
+  assert cluster.job_env(None)["UCX_TLS"] == "tcp"
+
+
+def test_uplink_bytes():
+  n = 4e6
+  for kind in ("flat", "hierarchical", "two_dimensional"):
+    assert link.uplink_bytes(kind, n, nodes=4, ranks_per_node=2) == pytest.approx(1.5 * n)
+  assert link.uplink_bytes("hierarchical", n, nodes=4, wire_bits=16) == pytest.approx(0.75 * n)
+  assert link.uplink_bytes("flat", n, nodes=1) == 0
+  with pytest.raises(ValueError, match="one MPI rank per node"):
+    link.uplink_bytes("flat", n, nodes=2, ranks_per_node=2, wire_bits=16)
+  with pytest.raises(ValueError, match="knows flat"):
+    link.uplink_bytes("xla", n, nodes=2)
+
+
+def test_fit_recovers_alpha_and_bandwidth():
+  f = link.LinkFit(2e-3, 1.1e8)
+  sizes = [1e6, 4e6, 1.6e7, 6.4e7]
+  times = [f.exchange_time("flat", s, nodes=2) for s in sizes]
+  g = link.fit([link.uplink_bytes("flat", s, nodes=2) for s in sizes], times)
+  assert g.alpha == pytest.approx(2e-3) and g.bandwidth == pytest.approx(1.1e8)
+  with pytest.raises(ValueError, match="not the bottleneck"):
+    link.fit([1e6, 2e6], [0.2, 0.1])
