@@ -339,3 +339,59 @@ display(Markdown(f"At {GPUS[-1]} GPUs:\n\n| cluster | kind | none | backward | d
 # a 12 ms step leaves little to hide behind, and double buffering (the whole step, not only
 # the backward pass, covers the exchange) gains most. Measured overlap needs a GPU: this
 # project's 2-core CPU runs one core per rank, so nothing overlaps here (docs/results/step.md).
+
+# %% [markdown]
+# ## 8. From the compiler: ResNet-50 compiled for 8 H200
+#
+# `python -m mnjax.bench aot` (the CUDA plugin's venv, no GPU: `docs/results/aot.md`) compiles
+# the experiments' step for 8 H200 and reads what the sections above assume: the **compute**
+# per step from XLA's cost analysis (flops over the TF32 peak and bytes over HBM bandwidth, the
+# larger of the two: a roofline lower bound, `mnjax.costmodel.compiled`), and the **overlap**
+# from the compiled schedule (the share of the gradient bytes whose all-reduce XLA scheduled
+# beside compute), with the all-reduces as XLA combined them. Solid: the compiled overlap;
+# dashed: none of it hidden; dotted: section 7's assumed backprop overlap with the same compute.
+
+# %%
+from mnjax.costmodel import compiled as cc
+
+aot_json = json.loads((REPO / "docs" / "results" / "bench" / "aot.json").read_text())
+node = next(iter(aot_json["targets"].values()))
+compiled_rows = {"mnjax, SyncBatchNorm": node["xla"]["sync_bn_allreduce_fp32"],
+                 "mnjax, double buffering": node["xla"]["sync_bn_double_buffering_fp32"],
+                 "plain jax.jit": node["plain_jax"]}
+base = hw.cluster("h200_ndr")
+fig, ax = plt.subplots(figsize=(7, 4.2))
+lines = []
+for (label, r), color in zip(compiled_rows.items(), ("C0", "C1", "C2")):
+  t = cc.compute_time(r["flops"], r["bytes_accessed"], "H200")
+  allreduces = [g["gradient_bytes"] for g in r["gradient_allreduces"]]  # as XLA combined them
+  effs = cc.predict(t.seconds, allreduces, r["overlap"], base, GPUS,
+                    interference=published.INTERFERENCE)
+  ax.plot(GPUS, effs, "o-", color=color, ms=4, label=f"{label} (overlap {r['overlap']:.2f})")
+  ax.plot(GPUS, cc.predict(t.seconds, allreduces, 0.0, base, GPUS), "--", color=color)
+  lines.append(f"| {label} | {r['flops'] / 1e9:.0f} | {r['bytes_accessed'] / 1e9:.1f} |"
+               f" {t.seconds * 1e3:.2f} ({t.bound}) | {r['overlap']:.3f} | {len(allreduces)} |"
+               f" {effs[-1]:.3f} |")
+w = step.RESNET50.replace(compute=cc.compute_time(
+    compiled_rows["mnjax, SyncBatchNorm"]["flops"],
+    compiled_rows["mnjax, SyncBatchNorm"]["bytes_accessed"], "H200").seconds)
+assumed = step.scaling(w, base, ("xla",), GPUS, overlap="backward",
+                       bucket_sizes=step.planned_buckets(shapes, 4 << 20),
+                       interference=published.INTERFERENCE)["xla"]
+ax.plot(GPUS, assumed, ":", color="k", label="assumed backprop overlap (section 7)")
+gpu_axis(ax, base, w)
+ax.set(ylabel="predicted weak-scaling efficiency", ylim=(0, 1.02))
+ax.legend(fontsize=7, loc="lower left")
+save(fig, "predicted_compiled")
+display(Markdown(
+    f"Compiled {aot_json['date']} ({aot_json['config']['model']}, {aot_json['config']['batch']}"
+    " images per GPU):\n\n| step | GFLOP per GPU | GB moved | compute >= ms (bound) |"
+    f" overlap | gradient all-reduces | efficiency at {GPUS[-1]} |\n|---|---|---|---|---|---|---|\n"
+    + "\n".join(lines)))
+
+# %% [markdown]
+# The compute here is a lower bound (perfect kernels at peak): a real H200 step is longer,
+# which leaves more time to hide the exchange, so these efficiencies are pessimistic. What
+# the compiler settles is the overlap: XLA schedules every gradient all-reduce of mnjax's
+# `xla` kind beside compute, as it does for plain `jax.jit`, and the prediction no longer
+# assumes it.

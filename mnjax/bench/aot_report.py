@@ -1,5 +1,5 @@
-"""The derived figures and the printed table of ``python -m mnjax.bench aot`` (`mnjax.bench.aot`
-compiles and measures; this module only reads its results)."""
+"""The derived figures, the printed table and the summary line of ``python -m mnjax.bench aot``
+(`mnjax.bench.aot` compiles and measures; this module only reads its results)."""
 
 from __future__ import annotations
 
@@ -117,3 +117,35 @@ def table(results: dict) -> None:
       if "zero1_state_ratio" in memory:
         print(f"    shard_optimizer / allreduce optimizer state per GPU:"
               f" {memory['zero1_state_ratio']:.4f}")
+
+
+def summary(results: dict) -> str:
+  """The last line: ResNet-50 on the first target (8 H200), ratios and batches.
+
+  Example:
+    >>> r = {"targets": {"1x8xH200": {"xla": {"sync_bn_allreduce_fp32": {"overlap": 1.0},
+    ...      "sync_bn_double_buffering_fp32": {"overlap": 1.0}}, "plain_jax": {"overlap": 0.99},
+    ...      "memory": {"zero1_state_ratio": 0.125, "max_batch": {
+    ...      "allreduce_adam": {"largest": 900}, "shard_optimizer_adam": {"largest": 902}}}}}}
+    >>> summary(r).split()[2:]
+    ['overlap_backprop=1.000', 'overlap_double_buffering=1.000', 'overlap_plain_jax=0.990',
+     'zero1_state_ratio=0.125', 'max_batch_allreduce=900', 'max_batch_shard=902']
+  """
+  first = next(iter(results["targets"].values()))
+  xla, memory = first["xla"], first.get("memory", {})
+
+  def share(r):
+    return f"{r['overlap']:.3f}" if "overlap" in r else "nan"
+
+  def batch(label):
+    m = memory.get("max_batch", {}).get(label, {})
+    return m.get("largest", m.get("predicted", -1)) or -1
+
+  ratio = memory.get("zero1_state_ratio")
+  return ("aot summary: "
+          f"overlap_backprop={share(xla['sync_bn_allreduce_fp32'])} "
+          f"overlap_double_buffering={share(xla['sync_bn_double_buffering_fp32'])} "
+          f"overlap_plain_jax={share(first['plain_jax'])} "
+          f"zero1_state_ratio={'nan' if ratio is None else f'{ratio:.3f}'} "
+          f"max_batch_allreduce={batch('allreduce_adam')} "
+          f"max_batch_shard={batch('shard_optimizer_adam')}")
