@@ -171,6 +171,14 @@ def job_state(cluster, job):
   return re.search(r"JobState=(\S+)", slurm(cluster, "scontrol", "show", "job", job)).group(1)
 
 
+def wait_until_ended(cluster, job, log, seconds):
+  """Until `job` has ended (any final state), or fails with its log after `seconds`."""
+  deadline = time.monotonic() + seconds
+  while job_state(cluster, job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+    assert time.monotonic() < deadline, log.read_text()[-5000:]
+    time.sleep(0.5)
+
+
 def test_sbatch_of_the_example_script_requeued_resumes_by_itself(cluster, reference, tmp_path):
   workdir, log = tmp_path / "run", tmp_path / "job.out"
   job = slurm(cluster, "sbatch", "--parsable", "-N", "2", "--ntasks-per-node=1",
@@ -184,10 +192,7 @@ def test_sbatch_of_the_example_script_requeued_resumes_by_itself(cluster, refere
     while job_state(cluster, job) != "PENDING" and time.monotonic() < deadline:
       time.sleep(0.5)
     slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")
-    deadline = time.monotonic() + 300
-    while job_state(cluster, job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-      assert time.monotonic() < deadline, log.read_text()[-5000:]
-      time.sleep(0.5)
+    wait_until_ended(cluster, job, log, 300)
   finally:
     subprocess.run(["scancel", job], env=cluster, timeout=30)
   out = log.read_text()
@@ -208,10 +213,7 @@ def test_usr1_from_slurm_checkpoints_the_job_and_resume_finishes(cluster, tmp_pa
   try:
     wait_for_epoch(workdir, None)
     slurm(cluster, "scancel", "--signal=USR1", job)  # the tasks of its steps, not the shell
-    deadline = time.monotonic() + 120
-    while job_state(cluster, job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-      assert time.monotonic() < deadline, log.read_text()[-5000:]
-      time.sleep(0.5)
+    wait_until_ended(cluster, job, log, 120)
   finally:
     subprocess.run(["scancel", job], env=cluster, timeout=30)
   out = log.read_text()
