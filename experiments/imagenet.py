@@ -16,7 +16,9 @@ docstring gives its command and the time it takes); any flag overrides a field:
 Rank 0 prints per epoch: loss and top-1 accuracy (train and test), images/s per rank and in
 total, epoch time, the share of time the loop waited for input, and with
 ``--baseline_workdir`` (the same config run with 1 rank) the parallel efficiency. The work
-directory gets ``config.json``, ``metrics.jsonl`` and ``checkpoints/`` (orbax, every
+directory gets ``config.json``, ``metrics.jsonl`` (also as TensorBoard scalars in
+``tensorboard/``, with the learning rate; ``--tensorboard``), a ``jax.profiler`` trace in
+``profile/`` with ``--profile_steps`` and ``checkpoints/`` (orbax, every
 ``--checkpoint_every`` epochs and ``--checkpoint_steps`` steps: parameters, batch
 statistics, optimizer state and the data position). A killed run continues exactly where
 its newest checkpoint left off with ``--resume``; the loop is the digits job's
@@ -84,20 +86,25 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                  aliases=ALIASES, description=__doc__.splitlines()[0])
 
 
+def learning_rate(config: Config, steps_per_epoch: int) -> optax.Schedule:
+  """The recipe's learning rate by step (rmsprop_warmup: SGD's, the slow start)."""
+  if config.optimizer == "rmsprop_warmup":
+    return recipes.slow_start_schedule(config.global_batch_size, steps_per_epoch,
+                                       base_lr=config.base_lr)
+  return recipes.goyal_schedule(config.global_batch_size, steps_per_epoch,
+                                base_lr=config.base_lr, warmup_epochs=config.warmup_epochs)
+
+
 def optimizer(config: Config, steps_per_epoch: int) -> optax.GradientTransformation:
   """The config's large-batch recipe (before the allreduce and the non-finite guard)."""
-  schedule = recipes.goyal_schedule(
-      config.global_batch_size, steps_per_epoch, base_lr=config.base_lr,
-      warmup_epochs=config.warmup_epochs)
+  schedule = learning_rate(config, steps_per_epoch)
   if config.optimizer == "lars":
     return recipes.lars(schedule)
   if config.optimizer == "rmsprop_warmup":  # Akiba et al. 2017: slow start, ELU-shaped blend
-    slow_start = recipes.slow_start_schedule(config.global_batch_size, steps_per_epoch,
-                                             base_lr=config.base_lr)
     blend = recipes.akiba_blend(steps_per_epoch, center=config.blend_center,
                                 period=config.blend_period)
     return optax.chain(optax.add_decayed_weights(1e-4, recipes.decay_mask),
-                       recipes.rmsprop_warmup(slow_start, blend))
+                       recipes.rmsprop_warmup(schedule, blend))
   return recipes.goyal_sgd(config.global_batch_size, steps_per_epoch, base_lr=config.base_lr,
                            warmup_epochs=config.warmup_epochs)
 
@@ -132,6 +139,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
       mnjax.train.make_train_step(comm, label_smoothing=config.label_smoothing),
       lambda epoch, start: train_loader.epoch(epoch, start=start), steps_per_epoch=steps,
       eval_batches=(lambda: test_loader.epoch(0)) if test_loader is not None else None,
+      learning_rate=learning_rate(config, steps),
       header=f"{config.model} on {config.dataset} ({len(train_source)} train examples,"
              f" {'synchronized' if config.sync_bn else 'per-replica'} BN)")
 

@@ -10,8 +10,10 @@ Run (the README's first command does the set-up, then this):
 
 The config is ``experiments/configs/digits.py`` (``--config`` picks another file); every
 field is a flag (``--help``). Rank 0 shows a progress bar, prints per-epoch loss, accuracy
-and images/s, and writes ``config.json``, ``metrics.jsonl``, ``checkpoints/`` (after every
-epoch, and every ``--checkpoint_steps``) and the final ``params.npz`` to ``--workdir``.
+and images/s, and writes ``config.json``, ``metrics.jsonl`` (and the same numbers as
+TensorBoard scalars in ``tensorboard/``, ``--tensorboard``), ``checkpoints/`` (after every
+epoch, and every ``--checkpoint_steps``) and the final ``params.npz`` to ``--workdir``;
+``--profile_steps 10:13`` adds a ``jax.profiler`` trace of steps 10-12 in ``profile/``.
 Expected: >= 97% test accuracy after the default 20 epochs, at any number of ranks that
 divides the global batch.
 
@@ -85,6 +87,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
       steps_per_epoch=sum(1 for _ in epoch_order(0)),
       eval_batches=lambda: mnjax.train.eval_batches(test.images, test.labels, comm,
                                                     config.global_batch_size),
+      learning_rate=config.learning_rate,
       header=f"SmallCNN on {config.dataset} ({len(train)} train / {len(test)} test examples)")
   mnjax.train.save_params(config.workdir, state.params, comm)
   return state, record

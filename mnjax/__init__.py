@@ -14,17 +14,34 @@ The layers, each a subpackage whose ``__init__`` is its API (imports flow downwa
 
 * `mnjax.comm` — communicators, in-step and host collectives, the 16-bit wire, abort;
 * `mnjax.guard` — pre-flight checks, replica consensus, the watchdog;
+* `mnjax.functions` — ChainerMN's differentiable in-step communication (model parallelism);
+* `mnjax.collectives` — ChainerMN's communicator methods: host point-to-point and
+  collectives on arrays and objects, ``comm.split``;
 * `mnjax.optim` — the optax transformations and `mnjax.recipes`;
-* `mnjax.nn` — `SyncBatchNorm`;
+* `mnjax.nn` — `SyncBatchNorm`, `create_mnbn_model`;
 * `mnjax.data` — sharding, dataset sources, the loader, augmentations;
 * `mnjax.checkpoint` — verified, resumable checkpoints;
+* `mnjax.model_parallel` — a model whose stages live on ranks (`MultiNodeChain`), GPipe;
 * `mnjax.train` — `data_parallel`, exact metrics, the reference classifier and loop;
 * `mnjax.models`, `mnjax.costmodel`, `mnjax.bench` — models, the scaling model, benchmarks.
 
 The names below are the ones most scripts need.
 """
 
-from mnjax import checkpoint, comm, costmodel, data, guard, models, nn, optim, train
+from mnjax import (
+    checkpoint,
+    collectives,
+    comm,
+    costmodel,
+    data,
+    functions,
+    guard,
+    model_parallel,
+    models,
+    nn,
+    optim,
+    train,
+)
 from mnjax.checkpoint import Checkpointer, CorruptCheckpointError, LoopCheckpoints
 from mnjax.comm import KINDS, Communicator, broadcast, create_communicator
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
@@ -58,6 +75,7 @@ __all__ = [
     "broadcast",
     "check_replicas",
     "checkpoint",
+    "collectives",
     "comm",
     "costmodel",
     "create_communicator",
@@ -65,10 +83,12 @@ __all__ = [
     "data",
     "data_parallel",
     "epoch_batches",
+    "functions",
     "global_mean",
     "guard",
     "local_batch_size",
     "mean_metrics",
+    "model_parallel",
     "models",
     "nn",
     "optim",

@@ -2,7 +2,7 @@
 # CI stage: the cluster launchers (issue 26), after the main suite. As root on Debian:
 #   1. a real Slurm (scripts/slurm.sh up: apt-get installs slurm-wlm + munge, 2 slurmd nodes),
 #      then tests/jobs/test_slurm.py (srun/PMI-2 vs mpirun, topology, sbatch + requeue,
-#      scancel + --resume, --signal), then scripts/slurm.sh down (also on failure);
+#      scancel + --resume, --signal at once and timed, --comm xla), then scripts/slurm.sh down (also on failure);
 #   2. Debian's OpenMPI (openmpi-bin, libopenmpi-dev), a venv built against it
 #      (MNJAX_MPI=system MNJAX_VENV=$MNJAX_OPENMPI_VENV scripts/setup.sh), then
 #      tests/jobs/test_openmpi.py (OpenMPI's mpirun -n 2 vs the mpich run).
@@ -28,7 +28,7 @@ trap 'scripts/slurm.sh down || true; printf "ci_cluster_launchers: %s\n" "${time
 
 scripts/setup.sh
 stage "slurm up (apt)" 300 scripts/slurm.sh up
-stage "test_slurm" 480 "${pytest[@]}" tests/jobs/test_slurm.py
+stage "test_slurm" 900 "${pytest[@]}" tests/jobs/test_slurm.py  # 9 cases, 792 s at load 13
 stage "slurm down" 60 scripts/slurm.sh down
 if [ "${MNJAX_CI_OPENMPI:-1}" = 0 ]; then
   echo "ci_cluster_launchers: OpenMPI stage skipped (MNJAX_CI_OPENMPI=0)" >&2

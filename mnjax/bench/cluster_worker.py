@@ -5,8 +5,9 @@ each node's uplink bytes read around the timed steps.
 ``python -m mnjax.bench.cluster_worker --kind flat --params 1000000,4000000 --wire fp32,bf16
 --steps 5 --out r.json`` under ``mpirun`` or ``python -m mnjax.cluster run``. Rank 0 writes
 ``{"runs": [{"params", "wire", "seconds_per_step", "nodes": [{"node", "tx_bytes",
-"rx_bytes"} per step], "params_sha256"}, ...], **runs[0]}``; outside a namespace (no
-``eth0``) ``nodes`` is null.
+"rx_bytes"} per step], "params_sha256", "ranks_agree"}, ...], **runs[0]}``; outside a
+namespace (no ``eth0``) ``nodes`` is null. ``--shard``: after those runs, the same with
+`mnjax.shard_optimizer` (ZeRO-1's reduce-scatter + allgather; ``"optimizer": "shard"``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def _counters() -> tuple[int, int] | None:
   return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
 
 
-def _measure(comm, n: int, wire: str | None, steps: int) -> dict:
-  """Per-step seconds and uplink bytes of `steps` steps (wire None: no exchange at all)."""
+def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False) -> dict:
+  """Per-step seconds and uplink bytes of `steps` steps (wire None: no exchange at all;
+  `shard`: `mnjax.shard_optimizer`'s reduce-scatter + allgather instead of an allreduce)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -39,6 +41,8 @@ def _measure(comm, n: int, wire: str | None, steps: int) -> dict:
   dtype = jnp.bfloat16 if wire == "bf16" else None
   links = [] if wire is None else [mnjax.allreduce_gradients(comm, wire_dtype=dtype)]
   tx = optax.chain(*links, optax.sgd(0.1))
+  if shard and wire is not None:
+    tx = mnjax.shard_optimizer(comm, optax.sgd(0.1), wire_dtype=dtype)
 
   def step(params, opt_state, x):
     # The baseline leaves the batch out: without the exchange, replicas would differ.
@@ -74,9 +78,11 @@ def _measure(comm, n: int, wire: str | None, steps: int) -> dict:
   nodes = world.gather(mine, root=0)
   times = world.gather(seconds / steps, root=0)
   w = np.asarray(params["w"])
-  return {"params": n, "wire": wire or "none", "seconds_per_step": max(times or [0]),
+  digests = world.allgather(hashlib.sha256(w.tobytes()).hexdigest())
+  return {"params": n, "wire": wire or "none", "optimizer": "shard" if shard else "allreduce",
+          "seconds_per_step": max(times or [0]),
           "nodes": sorted((x for x in nodes or [] if x), key=lambda x: x["node"]) or None,
-          "params_sha256": hashlib.sha256(w.tobytes()).hexdigest(),
+          "params_sha256": digests[0], "ranks_agree": len(set(digests)) == 1,
           "params_head": w[:4].tolist()}
 
 
@@ -88,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--baseline", action="store_true",
                  help="also time each size with no exchange (the step's own cost)")
+  p.add_argument("--shard", action="store_true",
+                 help="also each size and wire with shard_optimizer(sgd) (the flat kind)")
   p.add_argument("--out", required=True)
   args = p.parse_args(argv)
 
@@ -102,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
   for n in (int(x) for x in args.params.split(",")):
     for wire in [*wires, *([None] if args.baseline else [])]:
       runs.append(_measure(comm, n, wire, args.steps))
+  if args.shard:
+    runs += [_measure(comm, n, wire, args.steps, shard=True)
+             for n in (int(x) for x in args.params.split(",")) for wire in wires]
   if MPI.COMM_WORLD.rank == 0:
     out = {"kind": args.kind, "ranks": MPI.COMM_WORLD.size,
            "devices_per_rank": comm.local_device_count, "steps": args.steps, **runs[0],

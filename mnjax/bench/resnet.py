@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -142,7 +143,12 @@ def main(argv: list[str]) -> None:
     if MPI.COMM_WORLD.rank == 0:
       print(json.dumps(seconds), flush=True)
     return
-  result = summarize(args, launch(args, 1), launch(args, 2))
+  load = [os.getloadavg()[0]]  # this machine's other jobs skew every figure: say how much
+  one = launch(args, 1)
+  load.append(os.getloadavg()[0])
+  two = launch(args, 2)
+  load.append(os.getloadavg()[0])
+  result = {**summarize(args, one, two), "load_average_1min": [round(x, 2) for x in load]}
   print(f"{args.model} at {args.image_size} px, {args.batch_per_rank} images/rank/step"
         f" (median of {args.rounds} rounds x {args.steps} steps, --bind-to {args.bind})")
   for name, value in result["images_per_second"].items():
@@ -150,6 +156,8 @@ def main(argv: list[str]) -> None:
   for key in ("overhead_size1", "communication_share", "communication_efficiency",
               "local_bn_efficiency", "weak_scaling_efficiency"):
     print(f"  {key:28s} {result[key]:8.3f}")
+  print(f"  {'load average (1 min)':28s} {' -> '.join(f'{x:.1f}' for x in load)}"
+        " (start, after 1 rank, after 2 ranks)")
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=2))

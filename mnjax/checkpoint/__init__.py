@@ -3,6 +3,8 @@
 * `Checkpointer`: orbax underneath; rank 0 writes, every rank restores and checks.
 * `LoopCheckpoints`: the training loop's policy (every k steps, at the end of each epoch,
   keep n) and bitwise resume.
+* `PerRankState`: a subtree that is each rank's own (a model-parallel stage): every rank's
+  is saved, each rank restores its own.
 * Errors, the same on every rank: `CorruptCheckpointError` (nothing reads back intact),
   `CheckpointTemplateError` (an intact checkpoint of another tree than the template),
   `CheckpointSaveError` (a write that did not reach the disk).
@@ -19,6 +21,7 @@ from mnjax.checkpoint._checkpointer import (
     CorruptCheckpointError,
 )
 from mnjax.checkpoint._loop import LoopCheckpoints
+from mnjax.checkpoint._own_state import PerRankState
 
 __all__ = [
     "CheckpointSaveError",
@@ -26,4 +29,5 @@ __all__ = [
     "Checkpointer",
     "CorruptCheckpointError",
     "LoopCheckpoints",
+    "PerRankState",
 ]

@@ -9,7 +9,9 @@ orbax-checkpoint, and restores it exactly:
   the others only check that they are saving the same step and the same values: state that
   differs between replicas (an unflushed double-buffered gradient, per-replica BatchNorm
   statistics, a per-rank key) would be lost on restore, and is refused on every rank with
-  the fix (`mnjax.checkpoint._per_rank`).
+  the fix (`mnjax.checkpoint._per_rank`). State that is each rank's own by design (a
+  model-parallel stage) is wrapped in `PerRankState`: every rank's is written, in the same
+  checkpoint, and each rank restores its own (`mnjax.checkpoint._own_state`).
 - **Atomic.** Orbax writes into a temporary directory and renames it when complete; a save
   killed half-way is never listed, never loaded. The last ``keep`` checkpoints are kept; an
   older one is deleted only once the newer one is on disk (orbax would delete it even when
@@ -45,6 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mnjax.checkpoint import _own_state as own
 from mnjax.checkpoint import _per_rank as per_rank
 from mnjax.checkpoint import _sharded as sharded
 from mnjax.checkpoint._template import (
@@ -163,17 +166,19 @@ class Checkpointer:
           f"Checkpointer.save: the ranks are saving different steps {steps}; every rank"
           " must call save at the same step (replicas are identical only at equal steps).")
     wrong = (sharded.check(self.comm, state, "Checkpointer.save")
+             or own.check(self.comm, state, "Checkpointer.save")
              or per_rank.mid_cycle(self.comm, state)
              or per_rank.differences(self.comm, state, meta))  # every rank: one allgather
     if wrong:
       raise ValueError(f"{wrong} Nothing was saved.")
     wholes = sharded.gather(self.comm, state)  # every rank: the shares go to rank 0
+    parts = own.gather(self.comm, state, to_host)  # every rank: its own parts go to rank 0
     problem = None
     if self._manager is not None:
       problem = self._finish_pending()
       if problem is None:
         try:
-          self._start(step, state, wholes, meta)
+          self._start(step, state, wholes, parts, meta)
         except Exception as error:  # noqa: BLE001 (reported on every rank below)
           problem = (f"checkpoint {step} could not be started: {type(error).__name__}:"
                      f" {str(error)[:500]}")
@@ -181,10 +186,12 @@ class Checkpointer:
           problem = None if self._async else self._finish_pending()
     self._raise_on_every_rank(problem)
 
-  def _start(self, step: int, state: Any, wholes: list[Any], meta: dict | None) -> None:
+  def _start(self, step: int, state: Any, wholes: list[Any], parts: list[Any],
+             meta: dict | None) -> None:
     """Rank 0: hands checkpoint `step` to orbax (the previous write is finished); `wholes`:
-    the whole states of `state`'s sharded optimizer states (`sharded.gather`)."""
-    host = sharded.host_tree(state, wholes, to_host)
+    the whole states of `state`'s sharded optimizer states (`sharded.gather`), `parts`:
+    every rank's part of each `PerRankState` (`own.gather`)."""
+    host = own.expand(sharded.host_tree(state, wholes, to_host), parts)
     record = {"step": step, "meta": meta or {}, "settings": self.settings,
               "digests": _digests(host), "signature": signature(host),
               "structure": structure(host)}
@@ -307,11 +314,14 @@ class Checkpointer:
         shapes or dtypes) than `template` on some rank; nothing falls back past it.
       ValueError: the checkpoint was saved with other ``settings``.
     """
-    wrong = sharded.check(self.comm, template, "Checkpointer.restore")
+    wrong = (sharded.check(self.comm, template, "Checkpointer.restore")
+             or own.check(self.comm, template, "Checkpointer.restore"))
     if wrong:
       raise CheckpointTemplateError(
           f"{wrong} Nothing was loaded. Build the template's optimizer state with"
           " shard_optimizer(comm, tx).init(params) for this job's communicator.")
+    original = template
+    template = own.whole_template(self.comm, template)  # every rank's PerRankState parts
     shards, template = template, sharded.whole_template(template)  # as written on disk
     outcome: Any = None
     state = None
@@ -334,7 +344,8 @@ class Checkpointer:
       state = target(template, outcome["signature"])
     state = broadcast(state, self.comm, root=0)
     state = jax.tree.map(like, state, template)
-    return outcome["step"], sharded.reshard(state, shards, like), outcome["meta"]
+    state = own.pick(self.comm, sharded.reshard(state, shards, like), original, like)
+    return outcome["step"], state, outcome["meta"]
 
   def resume(self, template: Any, *, requested: bool) -> tuple[int, Any, dict] | None:
     """What a training script does at start: `restore` when resuming was `requested`, and

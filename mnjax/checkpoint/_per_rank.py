@@ -2,8 +2,10 @@
 
 `mnjax.Checkpointer` writes rank 0's tree and a restore broadcasts it, so a leaf that another
 replica (rank, or local device of the multi-device kinds) holds with other values would come
-back as rank 0's, without a word. `mnjax.shard_optimizer`'s state is the one per-rank state
-saved whole (`mnjax.checkpoint._sharded` joins the shares); everything else must be equal,
+back as rank 0's, without a word. Two per-rank states are saved from every rank:
+`mnjax.shard_optimizer`'s (`mnjax.checkpoint._sharded` joins the shares) and whatever a
+`mnjax.checkpoint.PerRankState` wraps (a model-parallel stage: `_own_state`, each rank gets
+its own back); everything else must be equal,
 and `Checkpointer.save` refuses it on every rank otherwise, before anything is written:
 
 * `mid_cycle`: an `accumulate_gradients` cycle half done (its gradient sum is each
@@ -36,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mnjax.checkpoint._own_state import PerRankState
 from mnjax.checkpoint._template import is_key
 from mnjax.comm._communicator import Communicator
 from mnjax.comm._digest import compare_digests
@@ -74,12 +77,14 @@ def mid_cycle(comm: Communicator, state: Any) -> str:
 
 
 def _comparable(state: Any) -> Any:
-  """`state` as it is compared: `ShardedState` s left out (saved whole), keys as key data."""
+  """`state` as it is compared: `ShardedState` s (saved whole) and `PerRankState` s (saved
+  per rank) left out, keys as key data."""
   def prepare(x):
-    if isinstance(x, ShardedState):
+    if isinstance(x, (ShardedState, PerRankState)):
       return None
     return jax.random.key_data(x) if is_key(x) else x
-  return jax.tree.map(prepare, state, is_leaf=lambda x: isinstance(x, ShardedState))
+  return jax.tree.map(prepare, state,
+                      is_leaf=lambda x: isinstance(x, (ShardedState, PerRankState)))
 
 
 def _fix(paths: list[str], state: Any) -> str:
@@ -109,7 +114,8 @@ def _fix(paths: list[str], state: Any) -> str:
   fixes.append(
       "every leaf must be the same on every replica when it is saved (parameters and"
       " optimizer state are, after allreduce_gradients); leave per-rank values out of the"
-      " saved tree")
+      " saved tree, or wrap a rank's own state (a model-parallel stage's parameters and"
+      " optimizer state) in mnjax.checkpoint.PerRankState(tree, comm) to save every rank's")
   return "; ".join(fixes)
 
 

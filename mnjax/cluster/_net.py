@@ -19,6 +19,10 @@ import shutil
 import subprocess
 
 PREFIX = "mnjaxc-"
+# `ip netns exec NS` bind-mounts the files of /etc/netns/NS/ over /etc/ (in its own mount
+# namespace): each node's `hosts` names every node, so `node<i>` resolves to its address
+# (jax.distributed's coordinator and gloo find peers by hostname).
+NETNS_ETC = "/etc/netns"
 SUBNET = "10.231.0"
 HUB_ADDRESS = f"{SUBNET}.254"
 MAX_NODES = 253
@@ -140,7 +144,16 @@ def down(tag: str | None = None) -> list[str]:
       except (ProcessLookupError, ValueError):
         pass
     _sh("ip", "netns", "del", name, check=False)
+    shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
     gone.append(name)
+  left = set(_namespaces())  # a hosts folder whose namespace is gone (a crash in between)
+  for name in os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else []:
+    if name.startswith(start) and name not in left:
+      shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+  try:
+    os.rmdir(NETNS_ETC)   # only if empty: ours were the only ones
+  except OSError:
+    pass
   return gone
 
 
@@ -159,6 +172,16 @@ def _shape(ns: str, dev: str, bits: float) -> None:
   burst = max(64 * 1024, int(bits / 8 * 0.002))
   _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits:.0f}bit",
       "burst", str(burst), "latency", "50ms")
+
+
+def _write_hosts(c: Cluster) -> None:
+  lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost"]
+  lines += [f"{c.address(i)} {c.hostname(i)}" for i in range(c.nodes)]
+  for i in range(c.nodes):
+    folder = os.path.join(NETNS_ETC, c.node(i))
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "hosts"), "w") as f:
+      f.write("\n".join(lines) + "\n")
 
 
 def up(nodes: int, rate: str, tag: str | None = None) -> Cluster:
@@ -200,6 +223,7 @@ def up(nodes: int, rate: str, tag: str | None = None) -> Cluster:
       if bits is not None:
         _shape(ns, "eth0", bits)      # node -> network
         _shape(c.hub, port, bits)     # network -> node
+    _write_hosts(c)
   except BaseException:
     down(c.tag)
     raise

@@ -11,6 +11,8 @@
   tree.
 * `abort`, `install_abort_on_error`: one failing rank ends the job instead of leaving its
   peers waiting.
+* ChainerMN's methods on `Communicator` (``comm.split``, ``comm.send``, ``comm.bcast_obj``,
+  ...) delegate to `mnjax.collectives`, imported when one is called.
 
 Example::
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mnjax.comm import _primitives as mpi_ops
+from mnjax.comm import _recorder as recorder
 from mnjax.comm import _sequence as sequence
 from mnjax.comm import _wire as wire
 from mnjax.comm._buckets import (
@@ -83,7 +84,6 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   order, buckets = tree_buckets(tree, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
   leaves = [jnp.asarray(flat[i]) for i in order]  # Python floats too (a no-op on arrays)
   out: list[Any] = [None] * len(leaves)
-  replicas = comm.num_replicas
   # The first exchange comes after the last mnjax collective traced before it in this step
   # (`mnjax.comm._sequence.ORDER`: SyncBatchNorm's backward ones), so every rank issues them
   # in one order; without any, on a GPU it waits for its own leaves only, and the buckets of
@@ -101,36 +101,44 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
       comm.kind == "single_node" and comm.size == 1))
   for k, bucket in enumerate(buckets):
     members = [leaves[i] for i in bucket.positions]
+    size = sum(int(np.size(m)) for m in members)
     sequence.note_collective(  # the step's fingerprint (`mnjax.guard._preflight`)
-        f"allreduce_tree bucket {k + 1} of {len(buckets)}",
-        (sum(int(np.size(m)) for m in members),),
+        f"allreduce_tree bucket {k + 1} of {len(buckets)}", (size,),
         bucket.dtype if wire_dtype is None else wire_dtype)
-    if _in_place(members, bucket, wire_dtype, comm):
-      # A leaf alone in its bucket is reduced where it lies, in its own shape: raveling it
-      # first makes XLA:CPU copy it into a fresh buffer and back around the in-place call
-      # (ResNet-50 per leaf: 0.5x raw MPI raveled; see `default_bucket_bytes`).
-      (leaf,) = members
-      previous = _REDUCERS[comm.kind](leaf, comm, None, previous)
-      out[bucket.positions[0]] = previous / jnp.asarray(replicas, leaf.dtype) if mean else previous
-      continue
-    if wire_dtype is None:
-      buf = pack(members, bucket.dtype)
-      post = (lambda x: x / jnp.asarray(replicas, x.dtype)) if mean else None
-    else:
-      buf = pack(members, wire_dtype if half_pack else bucket.dtype, scale=1.0 / replicas)
-      post = None if mean else (lambda x: x.astype(jnp.float32) * replicas)
-    # `after`: each collective waits for the previous one, so every rank issues them in one
-    # order (XLA:CPU would otherwise run independent custom calls in any order).
-    buf = _REDUCERS[comm.kind](buf, comm, wire_dtype, previous)
-    previous = buf
-    for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
-      out[i] = leaf
+    with recorder.tagging("bucket allreduce", bucket=k, bytes=size * bucket.dtype.itemsize):
+      previous = _bucket(members, bucket, out, comm, wire_dtype, previous, mean, half_pack)
   if previous is not None:
     sequence.ORDER.put(previous)  # a later collective of the step comes after these
   in_tree_order = [None] * len(out)
   for position, leaf in zip(order, out):
     in_tree_order[position] = leaf
   return jax.tree_util.tree_unflatten(treedef, in_tree_order)
+
+
+def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, previous,
+            mean: bool, half_pack: bool):
+  """Reduces one bucket into `out` (at its leaves' positions); returns the chain's new link."""
+  replicas = comm.num_replicas
+  if _in_place(members, bucket, wire_dtype, comm):
+    # A leaf alone in its bucket is reduced where it lies, in its own shape: raveling it
+    # first makes XLA:CPU copy it into a fresh buffer and back around the in-place call
+    # (ResNet-50 per leaf: 0.5x raw MPI raveled; see `default_bucket_bytes`).
+    (leaf,) = members
+    previous = _REDUCERS[comm.kind](leaf, comm, None, previous)
+    out[bucket.positions[0]] = previous / jnp.asarray(replicas, leaf.dtype) if mean else previous
+    return previous
+  if wire_dtype is None:
+    buf = pack(members, bucket.dtype)
+    post = (lambda x: x / jnp.asarray(replicas, x.dtype)) if mean else None
+  else:
+    buf = pack(members, wire_dtype if half_pack else bucket.dtype, scale=1.0 / replicas)
+    post = None if mean else (lambda x: x.astype(jnp.float32) * replicas)
+  # `after`: each collective waits for the previous one, so every rank issues them in one
+  # order (XLA:CPU would otherwise run independent custom calls in any order).
+  buf = _REDUCERS[comm.kind](buf, comm, wire_dtype, previous)
+  for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
+    out[i] = leaf
+  return buf
 
 
 def leaves_early(comm: Communicator) -> bool:
@@ -203,7 +211,8 @@ def sum_buffer(buf: jax.Array, comm: Communicator, after: Any = None) -> jax.Arr
   """
   if comm.num_replicas == 1:
     return buf
-  return _REDUCERS[comm.kind](buf, comm, None, after)
+  with recorder.tagging("SyncBatchNorm statistics", bytes=buf.size * buf.dtype.itemsize):
+    return _REDUCERS[comm.kind](buf, comm, None, after)
 
 
 # Sum of a fused 1-D buffer over every replica, per communicator kind. The multi-device

@@ -12,19 +12,24 @@ the same arguments, in the same order relative to other collective calls.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from mpi4py import MPI
 
 from mnjax.comm import _compat as compat
+from mnjax.comm import _coordinator as coordinator
 from mnjax.comm import _cuda_mpi as cuda_mpi
 from mnjax.comm import _departures as departures
 from mnjax.comm import _devices as devices_lib
 from mnjax.comm import _failfast as failfast
 from mnjax.comm import _process_view as process_view
+from mnjax.comm._methods import CommunicatorMethods
+from mnjax.comm._topology import EMULATE_NODES, node_split, node_topology
 
-__all__ = ["KINDS", "Communicator", "check_communicator", "create_communicator", "resolve_kind"]
+__all__ = [
+    "EMULATE_NODES", "KINDS", "Communicator", "assemble", "check_communicator",
+    "create_communicator", "node_topology", "resolve_kind",
+]
 
 #: Every communicator kind mnjax knows, with what it does (README, "Communicator kinds").
 KINDS: dict[str, str] = {
@@ -36,15 +41,13 @@ KINDS: dict[str, str] = {
     "xla": "JAX-native: jax.distributed + a global mesh, psum across all devices",
 }
 
-#: Environment variable: emulate this many nodes of consecutive ranks (a testing aid).
-EMULATE_NODES = "MNJAX_EMULATE_NODES"
 
 #: Kinds that drive several local devices from one process (through `mnjax.data_parallel`).
 MULTI_DEVICE_KINDS = ("hierarchical", "two_dimensional", "single_node", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
-class Communicator:
+class Communicator(CommunicatorMethods):
   """The process's place in the job, and the MPI communicator mnjax uses.
 
   Attributes:
@@ -69,6 +72,11 @@ class Communicator:
       local device ``i`` of every process exchanges its shard on ``device_comms[i]``
       (``two_dimensional``); ``hierarchical`` uses ``device_comms[0]``.
     devices: the local JAX devices this process drives.
+
+  ChainerMN's communicator methods are methods here too (`mnjax.comm._methods`):
+  ``comm.split(color, key)`` (a `Communicator` for a group of ranks), ``comm.send``,
+  ``recv``, ``bcast``, ``gather``, ``allgather``, ``alltoall``, ``scatter`` and the
+  ``*_obj`` variants (`mnjax.collectives`).
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
@@ -224,9 +232,11 @@ def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int,
     )
   # CPU collectives across processes need gloo; GPUs use NCCL regardless of this setting.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  address = coordinator.choose(mpi_comm, timeout)  # checked from every rank (_coordinator)
   try:
     jax.distributed.initialize(
-        cluster_detection_method="mpi4py", initialization_timeout=timeout,
+        coordinator_address=address, num_processes=mpi_comm.size, process_id=mpi_comm.rank,
+        cluster_detection_method="deactivate", initialization_timeout=timeout,
         local_device_ids=list(local_device_ids) if local_device_ids else None,
     )
   except Exception as error:  # every rank gets here: the coordinator is shared
@@ -240,22 +250,6 @@ def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int,
 
 def _jax_started() -> bool:
   return compat.jax_backends_started()
-
-
-def _node_split(clone: MPI.Intracomm) -> MPI.Intracomm:
-  """The processes on this node: MPI's shared-memory split, or with ``MNJAX_EMULATE_NODES=k``
-  (a testing aid) ``k`` nodes of consecutive ranks, so one host can play a small cluster."""
-  emulate = os.environ.get(EMULATE_NODES, "")
-  if not emulate:
-    return clone.Split_type(MPI.COMM_TYPE_SHARED, key=clone.rank)
-  k = int(emulate) if emulate.isdigit() else 0
-  if k < 1 or clone.size % k:
-    raise ValueError(
-        f"create_communicator: {EMULATE_NODES}={emulate!r} must be a positive number of"
-        f" emulated nodes that divides the {clone.size} processes; unset it to use the real"
-        " nodes."
-    )
-  return clone.Split(color=clone.rank // (clone.size // k), key=clone.rank)
 
 
 def create_communicator(
@@ -337,13 +331,8 @@ def create_communicator(
   resolved = devices_lib.agree(clone, resolve_kind, kind)
   _check_same_kind(clone.allgather((kind, resolved)))
   kind = resolved
-  node = devices_lib.agree(clone, _node_split, clone)
-  intra_rank, intra_size = node.rank, node.size
-  # Node index: count the node leaders (node-local rank 0) that come before ours.
-  leader = int(intra_rank == 0)
-  inter_size = clone.allreduce(leader)
-  before = clone.exscan(leader)
-  inter_rank = node.bcast(before or 0, root=0)
+  node = devices_lib.agree(clone, node_split, clone)
+  intra_rank, intra_size, inter_rank, inter_size = node_topology(clone, node)
   if kind == "single_node" and inter_size > 1:  # inter_size is the same on every rank
     node.Free()
     raise ValueError(
@@ -386,7 +375,24 @@ def create_communicator(
     jax.config.update("jax_default_device", devices[0])
   if abort_on_error and clone.size > 1:
     failfast.install()
-  comm = Communicator(
+  comm = assemble(kind, clone, (intra_rank, intra_size, inter_rank, inter_size), devices,
+                  axis_name)
+  process_view.watch(comm)
+  return comm
+
+
+def assemble(kind: str, clone: MPI.Intracomm, topology: tuple[int, int, int, int],
+             devices: tuple, axis_name: str) -> Communicator:
+  """The `Communicator` over `clone` (which it then owns), with its in-step clones.
+  `topology` is `node_topology`'s. Collective over `clone` (it clones it).
+
+  Example:
+    >>> sub = assemble("flat", comm.mpi_comm.Clone(), (0, 1, 0, 1), comm.devices, "batch")
+    >>> sub.size == comm.size and sub != comm     # another MPI communicator
+    True
+  """
+  intra_rank, intra_size, inter_rank, inter_size = topology
+  return Communicator(
       kind=kind,
       rank=clone.rank,
       size=clone.size,
@@ -402,6 +408,4 @@ def create_communicator(
       device_comms=tuple(clone.Clone() for _ in devices) if kind in MULTI_DEVICE_KINDS else (),
       devices=devices,
   )
-  process_view.watch(comm)
-  return comm
 

@@ -15,6 +15,14 @@ Former private uses that now have a public home (and no longer come through here
 
 from __future__ import annotations
 
+# The trace being traced into and the traces enclosing it (``parent_trace``), and a tracer's
+# own trace: `mnjax.functions` orders its exchanges through a chain value that the next
+# exchange can only use if it belongs to its trace or an enclosing one (the step's own
+# trace, seen from under ``jax.grad`` inside it; not a finished ``lax.scan`` body).
+# Public replacement: none in jax 0.10.2 (``jax.extend.core.get_opaque_trace_state`` is
+# opaque: equality only).
+from jax._src import core as _jax_core
+
 # jax's "have the backends been created yet" flag: `create_communicator` must know whether
 # JAX already started (then it is too late to choose devices, or to start jax.distributed)
 # without starting it. Public replacement: none in jax 0.10.2 (every jax.extend.backend
@@ -40,8 +48,13 @@ from mpi4jax._src.jax_compat import abstract_token
 from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
 
 __all__ = [
-    "abstract_token", "jax_backends_started", "set_mpi4jax_cuda_copy_mode", "to_dtype_handle",
-    "to_mpi_handle",
+  "abstract_token",
+  "jax_backends_started",
+  "reachable_here",
+  "set_mpi4jax_cuda_copy_mode",
+  "to_dtype_handle",
+  "to_mpi_handle",
+  "usable_here",
 ]
 
 
@@ -70,3 +83,45 @@ def set_mpi4jax_cuda_copy_mode(copy_to_host: bool) -> None:
   """
   _mpi4jax_decorators._cuda_mpi_setup_done = True  # mnjax decided: mpi4jax must not warn
   _mpi4jax_xla_bridge.mpi_xla_bridge_cuda.set_copy_to_host(copy_to_host)
+
+
+def usable_here(value):
+  """`value` if the trace JAX traces into now may use it (`reachable_here`); else, for a
+  tracer of a finished ``jax.grad``/``jax.vjp`` trace, its primal value when that one is
+  usable (the same result, seen from the enclosing trace); else None.
+
+  Example:
+    >>> usable_here(jnp.ones(2)).shape
+    (2,)
+  """
+  while value is not None:
+    if reachable_here(value):
+      return value
+    value = getattr(value, "primal", None)  # JVPTracer / LinearizeTracer
+  return None
+
+
+def reachable_here(value) -> bool:
+  """Whether the trace JAX traces into now may use `value`: a concrete array, or a tracer of
+  this trace or of one enclosing it (whose trace has not finished).
+
+  Example:
+    >>> reachable_here(jnp.ones(3))
+    True
+    >>> def step(x):
+    ...   assert reachable_here(x)                         # a tracer of this very trace
+    ...   return x
+    >>> float(jax.jit(step)(1.0))
+    1.0
+  """
+  if not isinstance(value, _jax_core.Tracer):
+    return True
+  own = value._trace
+  if not own.is_valid():
+    return False
+  trace = _jax_core.trace_ctx.trace
+  while trace is not None:
+    if trace is own:
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False

@@ -34,13 +34,14 @@ import numpy as np
 from mpi4py import MPI
 
 from mnjax.comm import _departures as departures
+from mnjax.comm import _recorder as recorder
 from mnjax.comm._buckets import group_by_dtype
 from mnjax.comm._communicator import Communicator, check_communicator
 
 __all__ = [
     "allreduce", "allreduce_persistent", "broadcast", "check_numbers", "check_same_tree",
     "fuse", "gather_if_different", "is_number", "leaf_paths", "reduce_arrays", "shares_in",
-    "split", "tree_containers", "tree_signature",
+    "split", "tree_containers", "tree_signature", "wait",
 ]
 
 _HASH_BYTES = 16
@@ -116,7 +117,8 @@ def gather_if_different(comm: Communicator, value: Any, *, timeout: float | None
   mine = np.frombuffer(
       hashlib.blake2b(repr(value).encode(), digest_size=_HASH_BYTES).digest(), np.uint8)
   everyone = np.empty((comm.size, _HASH_BYTES), np.uint8)
-  _wait(comm, comm.mpi_comm.Iallgather(mine, everyone), timeout, timeout_message, what)
+  with recorder.host_span("pre-flight check", bytes=_HASH_BYTES):
+    _wait(comm, comm.mpi_comm.Iallgather(mine, everyone), timeout, timeout_message, what)
   if (everyone == everyone[0]).all():
     return None
   return comm.mpi_comm.allgather(value)
@@ -127,19 +129,35 @@ def gather_if_different(comm: Communicator, value: Any, *, timeout: float | None
 DEPARTURE_GRACE = 2.0
 
 
+def wait(comm: Communicator, request: Any, what: str, *, peers: Sequence[int] | None = None,
+         timeout: float | None = None, timeout_message: str = "") -> None:
+  """Completes `request` (anything with MPI's ``Test()``) on ``comm.mpi_comm``; raises
+  `RuntimeError` naming a rank of `peers` (default: any rank) that finished its program
+  while this rank waits in `what`, and with `timeout`, `TimeoutError` (`timeout_message`).
+
+  Example:
+    >>> wait(comm, comm.mpi_comm.Ibarrier(), "a barrier")
+  """
+  _wait(comm, request, timeout, timeout_message, what, peers)
+
+
 def _wait(comm: Communicator, request: Any, timeout: float | None, timeout_message: str,
-          what: str) -> None:
+          what: str, peers: Sequence[int] | None = None) -> None:
   """Completes `request`, or raises on a timeout or on a peer that finished meanwhile."""
+
+  def departed() -> list[int]:
+    return [r for r in departures.departed(comm.mpi_comm) if peers is None or r in peers]
+
   start = time.monotonic()
   gone_since = None
   while not request.Test():
     now = time.monotonic()
     if timeout is not None and now - start > timeout:
       raise TimeoutError(timeout_message)
-    if gone_since is None and now - start > 0.05 and departures.departed(comm.mpi_comm):
+    if gone_since is None and now - start > 0.05 and departed():
       gone_since = now
     if gone_since is not None and now - gone_since > DEPARTURE_GRACE:
-      gone = departures.departed(comm.mpi_comm)
+      gone = departed()
       raise RuntimeError(
           f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} finished"
           f" {'their programs' if len(gone) > 1 else 'its program'} (exited normally) while"
@@ -300,7 +318,8 @@ def reduce_arrays(arrays: Sequence[np.ndarray], comm: Communicator,
   for group in group_by_dtype([a.dtype for a in arrays], key=lambda dtype: dtype):
     members = [arrays[i] for i in group.positions]
     buf = fuse(members, group.dtype)
-    comm.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=op)
+    with recorder.host_span("host allreduce", bytes=buf.nbytes):
+      comm.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=op)
     for i, piece in zip(group.positions, split(buf, members)):
       out[i] = piece
   return out
@@ -409,7 +428,8 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
     members = [arrays[i] for i in group.positions]
     buf = (fuse(members) if comm.rank == root
            else np.empty(sum(a.size for a in members), group.dtype))
-    comm.mpi_comm.Bcast(buf.view(np.uint8), root=root)  # raw bytes: also bfloat16, bool, ...
+    with recorder.host_span("broadcast", bytes=buf.nbytes):  # raw bytes: bfloat16, bool, ...
+      comm.mpi_comm.Bcast(buf.view(np.uint8), root=root)
     for i, piece in zip(group.positions, split(buf, members)):
       out[i] = piece
   out = [jnp.asarray(o) if isinstance(leaf, jax.Array) else o for o, leaf in zip(out, leaves)]

@@ -49,6 +49,7 @@ from mpi4py import MPI
 
 from mnjax.comm import _cuda_mpi as cuda_mpi
 from mnjax.comm import _native as native
+from mnjax.comm import _recorder as recorder
 from mnjax.comm._compat import abstract_token, to_dtype_handle, to_mpi_handle
 
 __all__ = [
@@ -117,7 +118,8 @@ def allreduce_sum(x, comm: MPI.Intracomm, after=None):
     >>> total.tolist() == [comm.size] * 3
     True
   """
-  return _allreduce_p.bind(x, after_operand(after), comm_handle=_handle(comm))
+  return _allreduce_p.bind(x, after_operand(after), comm_handle=_handle(comm),
+                           tag=recorder.tag_for_bind())
 
 
 def alltoall(x, comm: MPI.Intracomm, after=None):
@@ -137,7 +139,8 @@ def alltoall(x, comm: MPI.Intracomm, after=None):
         f"alltoall: the leading axis must have one row per rank ({comm.Get_size()}), got"
         f" shape {x.shape}."
     )
-  return _alltoall_p.bind(x, after_operand(after), comm_handle=_handle(comm))
+  return _alltoall_p.bind(x, after_operand(after), comm_handle=_handle(comm),
+                          tag=recorder.tag_for_bind())
 
 
 def allgather(x, comm: MPI.Intracomm, after=None):
@@ -147,7 +150,8 @@ def allgather(x, comm: MPI.Intracomm, after=None):
     >>> jax.jit(lambda v: allgather(v, comm.device_comm))(jnp.full(3, comm.rank)).shape
     (1, 3)
   """
-  return _allgather_p.bind(x, after_operand(after), comm_handle=_handle(comm), size=comm.Get_size())
+  return _allgather_p.bind(x, after_operand(after), comm_handle=_handle(comm), size=comm.Get_size(),
+                           tag=recorder.tag_for_bind())
 
 
 def _count(aval) -> np.int64:
@@ -155,12 +159,15 @@ def _count(aval) -> np.int64:
 
 
 def _cpu(target, attrs, aliases=None):
-  """Lowering to an mnjax handler: operands (x, after), one result."""
-  def rule(ctx, x, after, **params):
+  """Lowering to an mnjax handler: operands (x, after), one result. A collective traced
+  while a timeline records carries its `tag` (`mnjax.comm._recorder`) to the ``_tagged``
+  handler; without one it lowers as if the timeline did not exist."""
+  def rule(ctx, x, after, *, tag=0, **params):
     _register_native()
     kw = {"operand_output_aliases": aliases} if aliases else {}
-    lowering = ffi.ffi_lowering(target, has_side_effect=True, **kw)
-    return lowering(ctx, x, after, **attrs(ctx, **params))
+    extra = {"tag": np.int64(tag)} if tag else {}
+    lowering = ffi.ffi_lowering(target + ("_tagged" if tag else ""), has_side_effect=True, **kw)
+    return lowering(ctx, x, after, **attrs(ctx, **params), **extra)
   return rule
 
 
@@ -190,7 +197,8 @@ def _gpu(target, attrs):
   ``cuda`` by tests/unit/test_primitives.py; mnjax's payloads are floats (integer ones would
   travel untied).
   """
-  def rule(ctx, x, after, **params):
+  def rule(ctx, x, after, *, tag=0, **params):
+    del tag  # mpi4jax's handlers take no tag: the timeline's named scope labels them
     if _gpu_backend():
       cuda_mpi.configure()  # mpi4jax's CUDA extension and an explicit copy mode, or why not
     tie_ctx = ctx.replace(avals_out=(ctx.avals_in[0],))

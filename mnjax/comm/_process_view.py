@@ -18,7 +18,9 @@ the value is wrong:
 * once per calling line (Python's warning registry), and never for mnjax's own calls.
 
 Not seen: a reference taken before `create_communicator` (``from jax import
-process_index``), and a call made on rank 0 only. Silence it with
+process_index``), and a call made on rank 0 only; and on a rank that is rank 0 of a group
+(`mnjax.collectives.split`), where a `mnjax.Checkpointer` of the group runs orbax, orbax's own
+calls (`watch_group`). Silence it with
 ``warnings.filterwarnings('ignore', message='mnjax: jax.process_index')``. JAX's internals
 call their own functions (``jax._src.xla_bridge``), not these module attributes, so nothing
 changes for them.
@@ -30,10 +32,11 @@ import functools
 import sys
 import warnings
 
-__all__ = ["watch"]
+__all__ = ["watch", "watch_group"]
 
 _NAMES = ("process_index", "process_count")
 _JOB: dict = {}  # the first watched job: rank, size, kind
+_QUIET = ["mnjax"]  # the packages whose calls never warn (and orbax on a group's rank 0)
 
 
 def watch(comm) -> None:
@@ -58,6 +61,18 @@ def watch(comm) -> None:
     setattr(jax, name, _watched(getattr(jax, name), f"jax.{name}"))
 
 
+def watch_group(group) -> None:
+  """Called for each group made by `mnjax.collectives.split`: on the group's rank 0, where a
+  `mnjax.Checkpointer` of the group writes through orbax (whose threads read JAX's process
+  view, and whose saves run on rank 0 of the job without warning), orbax's calls stay quiet.
+
+  Example:
+    >>> watch_group(comm)   # rank 0 of its group: orbax's calls on this process stay quiet
+  """
+  if group.rank == 0 and "orbax" not in _QUIET:
+    _QUIET.append("orbax")
+
+
 def _watched(original, name: str):
   @functools.wraps(original)
   def wrapper(*args, **kwargs):
@@ -72,7 +87,7 @@ def _watched(original, name: str):
 def _called_by_mnjax(frame) -> bool:
   while frame is not None:
     module = frame.f_globals.get("__name__", "")
-    if module == "mnjax" or module.startswith("mnjax."):
+    if any(module == quiet or module.startswith(quiet + ".") for quiet in _QUIET):
       return True
     frame = frame.f_back
   return False

@@ -28,8 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
 
+from mnjax.comm._compat import usable_here
+
 __all__ = [
-    "ORDER", "enclosing", "enclosing_options", "note_collective", "noted",
+    "ORDER", "current_recording", "enclosing", "enclosing_options", "note_collective", "noted",
     "per_device_state_kept", "recording", "recording_open", "state_from_first_device",
 ]
 
@@ -56,6 +58,17 @@ def note_collective(what: str, shape: Any, dtype: Any) -> None:
   """
   for log in _RECORDINGS.open:
     log.append((what, tuple(int(d) for d in shape), str(dtype)))
+
+
+def current_recording() -> list[tuple] | None:
+  """The innermost open `recording`'s list, or None.
+
+  Example:
+    >>> with recording() as log:
+    ...   current_recording() is log
+    True
+  """
+  return _RECORDINGS.open[-1] if _RECORDINGS.open else None
 
 
 def recording_open() -> bool:
@@ -133,6 +146,18 @@ class _OrderChain(threading.local):
     """Makes `value` (a collective's result) the chain's last link in the current trace."""
     self._trace = _jax_core.get_opaque_trace_state()
     self._last = value
+
+  def reachable(self) -> jax.Array | None:
+    """The last link if the current trace can use it, whichever trace put it (one enclosing
+    this one: the step's own trace seen from under ``jax.grad``; a finished ``jax.vjp``'s
+    link is used by its primal value), else None. For
+    `mnjax.functions`, whose exchanges are issued from the step's trace and from the
+    ``custom_vjp`` rules of the traces ``jax.grad`` opens inside it."""
+    return usable_here(self._last)
+
+  def stale(self) -> jax.Array | None:
+    """The last link, even when no longer usable here (to tell a gap in the chain)."""
+    return self._last
 
 
 ORDER = _OrderChain()

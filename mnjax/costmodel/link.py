@@ -11,6 +11,16 @@ node (block placement), a 16-bit wire moving `n/2`:
   node-aware already, so ``hierarchical`` wins on latency and flows, not on bytes.
 * a 16-bit wire with one rank per node: an alltoall then an allgather of ``n/2``, each
   ``(N-1)/N n/2``: half of float32's.
+* ``xla`` on CPUs (gloo): one ring over all ``P = N g`` participants, `g` devices per node
+  (processes x devices; gloo counts each device): a reduce-scatter and an allgather around
+  the ring, ``2 n (P-1)/P`` per participant; placed in blocks, one ring edge per node
+  crosses its uplink: ``2 n (1 - 1/(N g))``, 1.5 n at 2 x 2 where the MPI kinds send n.
+* ``shard_optimizer`` (ZeRO-1, float32, ``flat``): a reduce-scatter of the gradients and
+  an allgather of the updated parameters. MPICH's large-message algorithms are not
+  node-aware: the reduce-scatter is a pairwise exchange (each rank sends ``n/P`` to every
+  other, ``g n (N-1)/N`` per node) and the allgather a ring (one edge per node carries
+  ``n (P-1)/P``). With one rank per node that is an allreduce's ``2 n (1 - 1/N)``; at 2 x 2
+  it is 1.75 n where the allreduce sends n.
 
     >>> from mnjax.costmodel import link
     >>> link.uplink_bytes("flat", 4e6, nodes=2)
@@ -25,18 +35,30 @@ import dataclasses
 
 import numpy as np
 
-_KINDS = ("flat", "hierarchical", "two_dimensional")
+_KINDS = ("flat", "hierarchical", "two_dimensional", "xla", "shard_optimizer")
 
 
 def uplink_bytes(kind: str, nbytes: float, *, nodes: int, ranks_per_node: int = 1,
                  wire_bits: int = 32) -> float:
-  """Payload bytes one node's uplink sends (and receives) per allreduce of `nbytes` (float32)."""
+  """Payload bytes one node's uplink sends (and receives) per allreduce of `nbytes` (float32).
+
+  For ``xla``, `ranks_per_node` counts gloo's participants on a node: processes x devices.
+  """
   if kind not in _KINDS:
     raise ValueError(f"uplink_bytes knows {', '.join(_KINDS)}; got {kind!r}")
   if wire_bits not in (16, 32):
     raise ValueError(f"wire_bits must be 16 or 32, got {wire_bits}")
   if nodes < 1 or ranks_per_node < 1:
     raise ValueError(f"nodes and ranks_per_node must be >= 1, got {nodes}, {ranks_per_node}")
+  if kind == "xla":   # gloo's ring over every device; ranks_per_node: devices per node
+    if wire_bits != 32:
+      raise ValueError("the xla kind's bytes are modelled for a float32 wire")
+    return 2 * nbytes * (1 - 1 / (nodes * ranks_per_node))
+  if kind == "shard_optimizer":   # pairwise reduce-scatter + ring allgather (MPICH)
+    if wire_bits != 32:
+      raise ValueError("shard_optimizer's bytes are modelled for a float32 wire")
+    ranks = nodes * ranks_per_node
+    return nbytes * (ranks_per_node * (1 - 1 / nodes) + (1 - 1 / ranks))
   if wire_bits == 32:
     return 2 * nbytes * (1 - 1 / nodes)
   if kind == "flat" and ranks_per_node > 1:

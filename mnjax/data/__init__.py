@@ -14,6 +14,12 @@
 * ChainerMN's sharding, kept as its API and split: `scatter_index` / `scatter_dataset` give
   each rank one contiguous block of the permutation (`shard_bounds`: what a rank holds, not
   how to cut batches), any dataset size included (empty or duplicated shards, masked).
+* Root-only data: `scatter_dataset(..., root=r)` reads rank ``r``'s dataset alone and sends
+  each rank its shard (ChainerMN's semantics; the same shards as when every rank holds it).
+* The same batches on every rank, for models split over ranks:
+  `create_multi_node_iterator` (one rank's batches, broadcast) and
+  `create_synchronized_iterator` (one shared permutation, nothing sent);
+  `create_empty_dataset` for the ranks that take no input.
 * Agreement: each of these, `epoch_batches` and `Loader` first compares across ranks what
   decides the partition (dataset size, seed, epoch, global batch, options), one small host
   round per call: a value that differs on one rank raises on every rank.
@@ -27,15 +33,18 @@ Example::
 """
 
 from mnjax.data import augment
+from mnjax.data._empty import EmptyDataset, create_empty_dataset
+from mnjax.data._iterators import create_multi_node_iterator, create_synchronized_iterator
 from mnjax.data._loader import Batch, Loader
+from mnjax.data._scatter import scatter_dataset
 from mnjax.data._sharding import (
     SubDataset,
     epoch_batches,
     global_batch_slices,
     local_batch_size,
-    scatter_dataset,
     scatter_index,
     shard_bounds,
+    shard_indices,
 )
 from mnjax.data._sources import (
     DATASETS,
@@ -56,12 +65,16 @@ __all__ = [
     "SYNTHETIC_SIZE",
     "TFDS_NAMES",
     "Batch",
+    "EmptyDataset",
     "Loader",
     "Source",
     "Split",
     "SubDataset",
     "as_split",
     "augment",
+    "create_empty_dataset",
+    "create_multi_node_iterator",
+    "create_synchronized_iterator",
     "epoch_batches",
     "global_batch_slices",
     "load",
@@ -71,4 +84,5 @@ __all__ = [
     "scatter_dataset",
     "scatter_index",
     "shard_bounds",
+    "shard_indices",
 ]

@@ -94,7 +94,8 @@ def check_same_plan(comm: Communicator, caller: str, values: dict[str, Any],
     return
   sizes = {dict(p).get("dataset size") for p in everyone}
   data = (" Every rank must hold the same dataset, in full (the same files, split and"
-          " filter): mnjax shards by index and scatters no data." if len(sizes) > 1 else "")
+          " filter): mnjax shards by index, and sends data only from a scatter_dataset"
+          " root." if len(sizes) > 1 else "")
   details = describe_plans(everyone) or [  # equal values, different hashes: a broken comm
       f"the values hash differently although they read {everyone[0]!r} (is comm.size"
       f" {comm.size} the size of comm.mpi_comm?)"]

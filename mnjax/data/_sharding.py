@@ -9,8 +9,9 @@ communication — and takes its part of it. There are two ways to take a part:
   local devices split that slice in order. So replica ``j = r * devices + d`` sees the same
   examples whatever the grouping: 4 processes x 1 device, 2 x 2 and 1 x 4 train alike, and
   all equal one process on the global batch.
-* `scatter_index` / `scatter_dataset` — ChainerMN's API and split: each rank gets one
-  contiguous block of the permutation (`shard_bounds`). With ``force_equal_length``,
+* `scatter_index` (and `mnjax.scatter_dataset`, in `mnjax.data._scatter`) — ChainerMN's
+  API and split: each rank gets one contiguous block of the permutation (`shard_bounds`,
+  `shard_indices`). With ``force_equal_length``,
   ChainerMN's default, ``ceil(n / size)`` indices from ``floor(n * rank / size)`` on, so a
   short block ends with the next rank's first examples (duplicates) and every rank runs the
   same number of steps; ``return_mask=True`` marks those duplicates so that an evaluation
@@ -36,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
@@ -47,9 +47,9 @@ __all__ = [
     "epoch_batches",
     "global_batch_slices",
     "local_batch_size",
-    "scatter_dataset",
     "scatter_index",
     "shard_bounds",
+    "shard_indices",
 ]
 
 
@@ -170,13 +170,28 @@ def _scatter_index(n: Any, comm: Communicator, *, shuffle: bool, seed: Any, epoc
   check_communicator(comm, caller)
   check_same_plan(comm, caller, _order_values(n, shuffle, seed, epoch)
                   | {"force_equal_length": force_equal_length})
-  n = _check_size(n, caller)
-  order = _permutation(n, shuffle, seed, epoch, caller)
-  begin, end, real_end = shard_bounds(n, comm.rank, comm.size,
-                                      force_equal_length=bool(force_equal_length))
+  indices, mask = shard_indices(_check_size(n, caller), comm.rank, comm.size, shuffle=shuffle,
+                                seed=seed, epoch=epoch, force_equal_length=force_equal_length,
+                                caller=caller)
+  return (indices, mask) if return_mask else indices
+
+
+def shard_indices(n: int, rank: int, size: int, *, shuffle: bool, seed: Any, epoch: Any,
+                  force_equal_length: bool, caller: str,
+                  order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Rank `rank`'s ``(indices, mask)`` of `scatter_index`, without communication (pure).
+  `order`: the epoch's permutation, when the caller has drawn it already (for every rank).
+
+  Example:
+    >>> shard_indices(5, 2, 3, shuffle=False, seed=0, epoch=0, force_equal_length=True,
+    ...               caller="doc")
+    (array([3, 4]), array([ True,  True]))
+  """
+  if order is None:
+    order = _permutation(n, shuffle, seed, epoch, caller)
+  begin, end, real_end = shard_bounds(n, rank, size, force_equal_length=bool(force_equal_length))
   positions = np.arange(begin, end, dtype=np.int64)
-  indices = order[positions].astype(np.int64)
-  return (indices, positions < real_end) if return_mask else indices
+  return order[positions].astype(np.int64), positions < real_end
 
 
 class SubDataset(Sequence):
@@ -198,63 +213,6 @@ class SubDataset(Sequence):
     if isinstance(i, slice):
       return SubDataset(self._dataset, self.indices[i])
     return self._dataset[int(self.indices[i])]
-
-
-def scatter_dataset(dataset: Any, comm: Communicator, *, shuffle: bool = False, seed: int = 0,
-                    epoch: int = 0, force_equal_length: bool = True,
-                    return_mask: bool = False) -> Any:
-  """This rank's shard of `dataset`: ``dataset[scatter_index(len(dataset), comm, ...)]``.
-
-  ChainerMN's `scatter_dataset`, except that every rank holds the dataset (nothing is sent:
-  the ranks compare its size, like the other options, and raise on every rank if it
-  differs). An empty dataset gives empty shards; one smaller than the number of ranks gives
-  duplicated shards with `force_equal_length` (marked by `return_mask`), empty ones without.
-
-  Args:
-    dataset: a numpy array, a pytree of arrays sharing their leading dimension (e.g. a tuple
-      ``(images, labels)`` or a dict), or any sequence with ``len`` and ``[]``.
-    comm: the `Communicator`.
-    shuffle, seed, epoch, force_equal_length: as in `scatter_index`.
-    return_mask: also return `scatter_index`'s mask (False on duplicates).
-
-  Returns:
-    The shard, of the same kind: arrays are indexed, other sequences become `SubDataset`;
-    ``(shard, mask)`` when `return_mask`.
-
-  Example:
-    >>> x, y = np.arange(20).reshape(10, 2), np.arange(10)
-    >>> x_local, y_local = mnjax.scatter_dataset((x, y), comm, shuffle=True, seed=0)
-    >>> bool((x_local[:, 0] // 2 == y_local).all())      # rows stay paired
-    True
-    >>> shard, mask = mnjax.scatter_dataset(["only"], comm, return_mask=True)
-    >>> list(shard), bool(mask.sum()) == (comm.rank == comm.size - 1)  # counted once
-    (['only'], True)
-  """
-  check_communicator(comm, "scatter_dataset")
-  leaves = jax.tree_util.tree_leaves(dataset)
-  arrays = bool(leaves) and all(hasattr(leaf, "shape") and getattr(leaf, "ndim", 0) >= 1
-                                for leaf in leaves)
-  if arrays:
-    lengths = {int(leaf.shape[0]) for leaf in leaves}
-    if len(lengths) != 1:
-      raise ValueError(
-          "scatter_dataset: all arrays of the dataset must have the same number of"
-          f" examples (leading dimension), got {sorted(lengths)}."
-      )
-    n = lengths.pop()
-  elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-    n = len(dataset)
-  else:
-    raise TypeError(
-        "scatter_dataset: expected an array, a pytree of arrays or a sequence (len and []),"
-        f" got {type(dataset).__name__}."
-    )
-  idx, mask = _scatter_index(n, comm, shuffle=shuffle, seed=seed, epoch=epoch,
-                             force_equal_length=force_equal_length, return_mask=True,
-                             caller="scatter_dataset")
-  shard = (jax.tree_util.tree_map(lambda a: a[idx], dataset) if arrays
-           else SubDataset(dataset, idx))
-  return (shard, mask) if return_mask else shard
 
 
 def local_batch_size(global_batch_size: int, comm: Communicator) -> int:

@@ -4,6 +4,8 @@
   before a collective whose operands must agree (tree structure, shapes, dtypes).
 * `check_replicas` / `fingerprints`: are the replicas still bitwise identical?
 * `Watchdog`: a background thread that names a stalled rank and aborts the job.
+* `Timeline`: every collective of every rank as one Chrome/Perfetto trace, with the
+  straggler report (``MNJAX_TIMELINE=path`` in the train loop).
 * `rank_dependent`: a scope whose constants may differ per rank (the program check of
   `mnjax.data_parallel` compares the rest of the step across ranks).
 
@@ -15,10 +17,12 @@ Example::
 from mnjax.guard._consensus import check_replicas, fingerprints
 from mnjax.guard._preflight import DEFAULT_TIMEOUT, check_same_on_all_ranks, tree_signature
 from mnjax.guard._program import rank_dependent
+from mnjax.guard._timeline import Timeline
 from mnjax.guard._watchdog import Watchdog
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "Timeline",
     "Watchdog",
     "check_replicas",
     "check_same_on_all_ranks",

@@ -36,6 +36,7 @@ import numpy as np
 from mnjax.comm._communicator import Communicator
 from mnjax.comm._host import gather_if_different, tree_signature
 from mnjax.comm._sequence import note_collective, recording
+from mnjax.guard import _pairing as pairing
 
 __all__ = [
     "DEFAULT_TIMEOUT", "check_collective_sequence", "check_same_on_all_ranks",
@@ -142,7 +143,11 @@ def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
 
   Collective over ``comm.mpi_comm``, except for a `sequence` already in `agreed` (the
   sequences one step has agreed on: a retrace of that step for another batch size, on one
-  rank only, needs no round); an agreed sequence is added to it. An empty
+  rank only, needs no round); an agreed sequence is added to it. Sequences holding
+  `mnjax.functions` exchanges (a model-parallel step, whose ranks differ by design) must
+  pair up instead of being equal (`mnjax.guard._pairing.check_exchanges`: a
+  `ExchangeError`, a `ValueError`, names the first exchange of each rank that no rank
+  answers). An empty
   sequence is compared too (a rank without the layers the others have must say so), so
   every rank must trace the step: a rank that finished meanwhile is named
   (`mnjax.comm._departures`), one that never comes is a `TimeoutError` after `timeout` s.
@@ -153,7 +158,11 @@ def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
   """
   sequence = tuple(sequence)
   agreed = set() if agreed is None else agreed
-  if comm.size == 1 or sequence in agreed:
+  if sequence in agreed:
+    return
+  if comm.size == 1:
+    if pairing.involved([sequence]):  # mnjax.functions' exchanges: pair them (`_pairing`)
+      pairing.check_exchanges([sequence], comm.mpi_comm, caller=caller)
     return
   everyone = gather_if_different(
       comm, sequence, what=f"{caller}'s check of the step's in-step collectives",
@@ -163,7 +172,11 @@ def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
           f" {_entry(sequence, 0)}), and not all of them came. Every rank must run the same"
           " layers (a rank without any SyncBatchNorm layer in its step, or one that does not"
           " call the step, leaves the others waiting)."))
-  if everyone is not None:
+  if everyone is None and pairing.has_refusal(sequence):  # refused alike on every rank
+    raise pairing.refusal_error(sequence, caller=caller)
+  if everyone is not None and pairing.involved(everyone):  # a model-parallel step
+    pairing.check_exchanges(everyone, comm.mpi_comm, caller=caller)
+  elif everyone is not None:
     raise ValueError(describe_sequences(everyone, caller))
   agreed.add(sequence)
 

@@ -40,6 +40,8 @@ from mpi4py import MPI
 from mnjax.comm import _failfast as failfast
 from mnjax.comm import _native as native
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.guard import _straggler as straggler
+from mnjax.guard import _timeline as timeline
 
 __all__ = ["Watchdog"]
 
@@ -186,8 +188,8 @@ class Watchdog:
         view.update(source, message, now)
       view.update(0, np.array([self._step, _RUNNING, *_collective_counts()]), now)
       report = view.stall_report(now, self.timeout, self.heartbeat_timeout)
-      if report:
-        self._on_stall(report)
+      if report:  # with a timeline: who has been arriving last (`mnjax.guard.Timeline`)
+        self._on_stall(report + straggler.summary(timeline.last_report()))
         return
       for rank in np.flatnonzero(~view.done[1:]) + 1:
         self._send(int(rank), _RUNNING)

@@ -2,6 +2,8 @@
 
 * `SyncBatchNorm`: a drop-in for `flax.linen.BatchNorm` whose statistics are those of the
   global batch, over every device of every rank.
+* `create_mnbn_model`: an existing model whose flax ``nn.BatchNorm`` layers run as
+  `SyncBatchNorm`, without editing it (the same variable tree: checkpoints load).
 * `allreduce_persistent`: averages batch statistics (or any float persistent values; integer
   counters pass through, checked equal) over ranks
   (a host collective of `mnjax.comm`, exported here too).
@@ -13,5 +15,6 @@ Example::
 
 from mnjax.comm._host import allreduce_persistent
 from mnjax.nn._batch_norm import SyncBatchNorm
+from mnjax.nn._convert import create_mnbn_model
 
-__all__ = ["SyncBatchNorm", "allreduce_persistent"]
+__all__ = ["SyncBatchNorm", "allreduce_persistent", "create_mnbn_model"]

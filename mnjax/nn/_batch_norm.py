@@ -5,7 +5,8 @@
 With plain data parallelism every replica normalises with the statistics of its own few
 examples (32 per GPU in the ChainerMN and Goyal et al. runs), so the model that trains is
 not the one a single process would train on the global batch. `SyncBatchNorm` sums each
-layer's per-feature ``[sum(x), sum(x^2), count]`` over every device of every rank, so the
+layer's per-feature ``[sum(x), sum(x^2)]`` and its example count (one number; a row
+per feature with a mask) over every device of every rank, in one collective, so the
 forward pass, the running statistics and the gradients equal flax's ``nn.BatchNorm`` on
 the concatenated global batch (the tests check this to 1e-5).
 
@@ -24,7 +25,10 @@ How the collectives stay correct:
   order chain (`mnjax.comm._sequence.ORDER`), and `mnjax.allreduce_gradients`' first bucket
   takes its last link, so the gradient buckets come after all of them. (A computation traced
   separately, e.g. under ``nn.remat``, starts a new chain; the buckets then wait for every
-  gradient leaf instead.)
+  gradient leaf instead.) The ``xla`` kind's sums are XLA's own ``psum``, which XLA orders
+  and matches across devices itself: they stay out of the chain, so that XLA:GPU combines
+  the backward sums of parallel layers as it does their forward ones, as under plain
+  ``jax.jit`` (docs/results/aot.md).
 
 Eval statistics, two options besides the usual moving average:
 
@@ -154,22 +158,25 @@ class SyncBatchNorm(nn.Module):
     if self.force_float32_reductions:
       dtype = jnp.promote_types(dtype, jnp.float32)
     x = jnp.asarray(x, dtype)
-    weight = (jnp.ones((), dtype) if mask is None
-              else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).astype(dtype))
-    count = jnp.broadcast_to(weight, x.shape).sum(reduction_axes)
+    if mask is None:  # one count for every feature: one number on the wire, not a row
+      weight = jnp.ones((), dtype)
+      count = jnp.asarray(np.prod([x.shape[a] for a in reduction_axes]), dtype)
+    else:
+      weight = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).astype(dtype)
+      count = weight.sum(reduction_axes)
     # During init no collective: the axis and the other ranks need not exist (as flax).
     layer = "/".join(self.scope.path) or type(self).__qualname__
     reduce = (_local_sum if self.is_initializing()
               else functools.partial(_chained_sum, self.comm, layer))
     if self.use_fast_variance:
-      s1, s2, n = reduce(jnp.stack([(x * weight).sum(reduction_axes),
-                                    (x * x * weight).sum(reduction_axes), count]))
+      s1, s2, n = reduce([(x * weight).sum(reduction_axes), (x * x * weight).sum(reduction_axes),
+                          count])
       mean = s1 / n
       return mean, jnp.maximum(0.0, s2 / n - mean * mean)
-    s1, n = reduce(jnp.stack([(x * weight).sum(reduction_axes), count]))
+    s1, n = reduce([(x * weight).sum(reduction_axes), count])
     mean = s1 / n
     centred = x - jnp.expand_dims(mean, reduction_axes)
-    (s2,) = reduce((centred * centred * weight).sum(reduction_axes)[None])
+    (s2,) = reduce([(centred * centred * weight).sum(reduction_axes)])
     return mean, s2 / n
 
   def _normalize(self, x, mean, var, reduction_axes, feature_shape):
@@ -201,15 +208,16 @@ class SyncBatchNorm(nn.Module):
 SyncBatchNorm.__name__ = "BatchNorm"
 
 
-def _local_sum(stacked):
-  return tuple(stacked)
+def _local_sum(parts):
+  return tuple(parts)
 
 
-def _chained_sum(comm: Communicator, layer: str, stacked: jax.Array) -> tuple:
-  """Global sum of `stacked`, ordered after the previous SyncBatchNorm collective, and
-  noted for the step's pre-flight check (`mnjax.comm._sequence.recording`)."""
+def _chained_sum(comm: Communicator, layer: str, parts: list) -> tuple:
+  """Global sums of `parts` (same dtype, any shapes) in one collective, ordered after the
+  previous SyncBatchNorm collective, and noted for the step's pre-flight check
+  (`mnjax.comm._sequence.recording`)."""
   if comm.num_replicas == 1:
-    return tuple(stacked)
+    return tuple(parts)
   if comm.size > 1 and not sequence.recording_open():
     raise RuntimeError(
         f"SyncBatchNorm layer {layer} is traced across {comm.size} processes outside"
@@ -218,11 +226,15 @@ def _chained_sum(comm: Communicator, layer: str, stacked: jax.Array) -> tuple:
         " forever in a collective the others never issue. Wrap the function that applies the"
         " model in mnjax.data_parallel(fn, comm, batch_argnums=...) (for 'flat' it is jax.jit"
         " plus that check, once per trace), as make_train_step does.")
-  sequence.note_collective(f"SyncBatchNorm layer {layer}", stacked.shape, stacked.dtype)
-  flat = stacked.reshape(-1)
-  total = _global_sum(comm, flat, sequence.ORDER.take(flat.dtype))
-  sequence.ORDER.put(total)
-  return tuple(total.reshape(stacked.shape))
+  flat = jnp.concatenate([jnp.ravel(p) for p in parts])
+  sequence.note_collective(f"SyncBatchNorm layer {layer}", flat.shape, flat.dtype)
+  if _xla_orders_it(comm):
+    total = _xla_sum(comm, flat)
+  else:
+    total = _global_sum(comm, flat, sequence.ORDER.take(flat.dtype))
+    sequence.ORDER.put(total)
+  ends = np.cumsum([np.size(p) for p in parts])[:-1]
+  return tuple(t.reshape(np.shape(p)) for t, p in zip(jnp.split(total, ends), parts))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -245,5 +257,30 @@ def _global_sum_bwd(comm, after, cotangent):
 
 
 _global_sum.defvjp(_global_sum_fwd, _global_sum_bwd)
+
+
+def _xla_orders_it(comm: Communicator) -> bool:
+  """Whether `comm`'s sum is XLA's own ``psum`` alone (``xla``; ``single_node`` in one
+  process: `mnjax.comm._collectives._axis`), which XLA matches across devices itself."""
+  return comm.kind == "xla" or (comm.kind == "single_node" and comm.size == 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _xla_sum(comm: Communicator, local: jax.Array) -> jax.Array:
+  return sum_buffer(local, comm)
+
+
+def _xla_sum_fwd(comm, local):
+  return sum_buffer(local, comm), None
+
+
+def _xla_sum_bwd(comm, _, cotangent):
+  # Unchained: no false dependency between layers, so XLA:GPU combines the backward sums
+  # of parallel layers (a block's last norm and its projection shortcut's) as it combines
+  # their forward ones, and schedules each where it fits.
+  return (sum_buffer(cotangent, comm),)
+
+
+_xla_sum.defvjp(_xla_sum_fwd, _xla_sum_bwd)
 
 

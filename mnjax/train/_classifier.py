@@ -28,6 +28,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from mnjax.comm import _recorder as recorder
 from mnjax.comm._communicator import Communicator
 from mnjax.data import epoch_batches
 from mnjax.optim.recipes import smoothed_cross_entropy
@@ -124,6 +125,7 @@ def zero_sums() -> dict[str, np.ndarray]:
 def _train_step(state: TrainState, images, labels, *, label_smoothing: float = 0.0,
                 axis_name: str | None = None):
   weights = jnp.ones(labels.shape, jnp.float32)
+  state = state.replace(step=recorder.mark_step(state.step))  # the timeline's step start
 
   def loss_fn(params):
     logits, batch_stats = _apply(state, params, images, train=True)
@@ -137,6 +139,9 @@ def _train_step(state: TrainState, images, labels, *, label_smoothing: float = 0
   state = state.apply_gradients(grads=grads)
   if batch_stats is not None:
     state = state.replace(batch_stats=batch_stats)
+  if recorder.active():  # the step's end, after every output (nothing traced otherwise)
+    ended = recorder.mark_step(state.step, end=True, after=recorder.completion((state, sums)))
+    state = state.replace(step=ended)
   return state, sums
 
 

@@ -37,9 +37,11 @@ from mnjax.comm._buckets import bucket_bytes_from_mb
 from mnjax.comm._communicator import KINDS, Communicator
 from mnjax.comm._wire import check_wire_dtype
 from mnjax.guard._consensus import check_replicas
+from mnjax.guard._timeline import Timeline, from_env
 from mnjax.guard._watchdog import Watchdog
 from mnjax.optim._allreduce import allreduce_gradients
 from mnjax.optim._double_buffered import double_buffered_optimizer
+from mnjax.optim._loss_scale import loss_scale_state
 from mnjax.optim._nonfinite import SkipNonFiniteState, raise_if_diverging, skip_nonfinite
 from mnjax.optim._shard import shard_optimizer
 from mnjax.train._classifier import TrainState, evaluate, zero_sums
@@ -48,6 +50,8 @@ from mnjax.train._lock import WorkdirLock
 from mnjax.train._metrics import allreduce_metrics, global_mean
 from mnjax.train._pending import flush_pending
 from mnjax.train._preemption import Preempted, PreemptionSignals, parse_signals, requeued
+from mnjax.train._profile import StepProfiler, profile_window
+from mnjax.train._tensorboard import TensorBoard, run_logdir
 from mnjax.train._workdir import MetricsLog, write_config
 
 __all__ = ["RunConfig", "guarded_optimizer", "skipped_steps", "train_loop"]
@@ -102,11 +106,17 @@ class RunConfig:
                                " parallel efficiency against it")
   checkpoint_on_signal: str = flag("TERM,USR1", help="signals that make the run checkpoint"
                                    " and stop (Slurm's scancel, --signal); '' for none")
+  tensorboard: str = flag("auto", help="TensorBoard scalars of every epoch (rank 0) in this"
+                          " directory; auto: <workdir>/tensorboard; '' for none")
+  profile_steps: str = flag("", help="jax.profiler trace into <workdir>/profile/rank<r>: N"
+                            " steps from the run's second step, or global steps A:B (A .. B-1);"
+                            " '' for none")
 
   def __post_init__(self):
     check_fields(self)
     check_wire_dtype(self.wire_dtype, "--wire_dtype")
     parse_signals(self.checkpoint_on_signal)
+    profile_window(self.profile_steps)
     bucket_bytes_from_mb(self.bucket_mb)
     if self.shard_optimizer and self.double_buffering:
       raise ValueError(
@@ -193,6 +203,23 @@ def _line(record: dict, compiled: bool) -> str:
   return text + ("  (includes compilation)" if compiled else "")
 
 
+def _optimizer_values(opt_state: Any, rate: optax.ScalarOrSchedule | None, step: int) -> dict:
+  """The rate of the last step (``step - 1``, as optax counts) and a dynamic loss scale."""
+  values = {} if rate is None else {"learning_rate": float(rate(step - 1) if callable(rate)
+                                                           else rate)}
+  with contextlib.suppress(ValueError):  # none (or several) in the optimizer: not recorded
+    values["loss_scale"] = float(loss_scale_state(opt_state).scale)
+  return values
+
+
+def _timeline_values(report: dict) -> dict:
+  """An epoch record's fields from the timeline's straggler report (means over ranks)."""
+  ranks = report["ranks"]
+  return {"exchange_share": sum(r["exchange_share"] for r in ranks) / len(ranks),
+          "wait_share": sum(r["wait_share"] for r in ranks) / len(ranks),
+          "straggler_report": report}
+
+
 def _evaluation(state: TrainState, eval_batches: Callable[[], Iterable] | None,
                 comm: Communicator) -> dict:
   if eval_batches is None:
@@ -204,7 +231,8 @@ def _evaluation(state: TrainState, eval_batches: Callable[[], Iterable] | None,
 
 def _epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: Any, step: int, *,
            train_step: Callable, batches: Iterable, epoch: int, begin: int, steps: int,
-           watchdog: Watchdog | None, checkpoints: Any, preemption: PreemptionSignals):
+           watchdog: Watchdog | None, checkpoints: Any, preemption: PreemptionSignals,
+           profiler: StepProfiler, timeline: Timeline | None = None):
   """Steps ``begin .. steps - 1`` of `epoch` -> ``(state, sums, step, images, input wait,
   seconds)``; checkpoints every ``config.checkpoint_steps`` steps, and raises `Preempted`
   after a checkpoint when `preemption` reports a signal."""
@@ -217,6 +245,8 @@ def _epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: Any, 
     for i in range(begin, steps):
       if watchdog is not None:
         watchdog.step(step)
+      if timeline is not None:
+        timeline.step(step)
       before = time.perf_counter()
       batch = next(iterator, None)
       waited += time.perf_counter() - before
@@ -224,12 +254,14 @@ def _epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: Any, 
         raise ValueError(f"train_loop: batches({epoch}, {begin}) ended after {i - begin}"
                          f" batches; steps_per_epoch is {steps}.")
       previous = state
-      state, metrics = train_step(state, batch[0], batch[1])
+      with profiler.before(step):
+        state, metrics = train_step(state, batch[0], batch[1])
       if step % DIVERGENCE_CHECK_EVERY == 0:  # the previous step's counter: read meanwhile
         raise_if_diverging(previous.opt_state, config.max_consecutive_skips)
       sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
       images += len(batch[1])
       step += 1
+      profiler.after(step, state)
       bar.update()
       saved = bool(config.checkpoint_steps) and step % config.checkpoint_steps == 0
       if saved:
@@ -276,7 +308,8 @@ def _holding_the_workdir(loop: Callable) -> Callable:
 def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
                train_step: Callable, batches: Callable[[int, int], Iterable], *,
                steps_per_epoch: int, eval_batches: Callable[[], Iterable] | None = None,
-               header: str = "") -> tuple[TrainState, dict]:
+               header: str = "", learning_rate: optax.ScalarOrSchedule | None = None
+               ) -> tuple[TrainState, dict]:
   """Trains `state` for ``config.epochs`` epochs (the rest of them with ``config.resume``).
 
   Collective: call on every rank with the same arguments. Holds the work directory while it
@@ -296,6 +329,9 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
     eval_batches: ``eval_batches()`` yields masked evaluation batches (`evaluate`) after
       each epoch; None: no evaluation.
     header: what rank 0 prints first, before the topology (model, dataset).
+    learning_rate: the optimizer's rate (a number or an optax schedule of the step): each
+      record holds its value at the epoch's last step; None: not recorded. A
+      `mnjax.optim.dynamic_loss_scale` in the optimizer puts its scale in each record too.
 
   Returns:
     ``(state, the last epoch's record)`` (a finished run that was resumed: its evaluation).
@@ -340,18 +376,30 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
 
   record: dict = {}
   watchdog = Watchdog(comm, timeout=config.stall_timeout) if config.stall_timeout else None
+  timeline = from_env(comm)  # MNJAX_TIMELINE: an unwritable path stops every rank here
+  profiler = StepProfiler(profile_window(config.profile_steps, step),
+                          os.path.join(config.workdir, "profile"), comm)
   with contextlib.ExitStack() as stack:
     stack.enter_context(checkpoints)  # leaving normally: waits for the last save, collective
+    logdir = run_logdir(config.tensorboard, config.workdir)
+    board = None if logdir is None else stack.enter_context(  # an unwritable one stops here
+        TensorBoard(logdir, comm, purge_step=step if resume and step else None))
+    stack.enter_context(profiler)
     if watchdog is not None:
       stack.enter_context(watchdog)
+    if timeline is not None:
+      stack.enter_context(timeline)  # rank 0 writes the trace when the run ends
     preemption = stack.enter_context(
         PreemptionSignals(comm, parse_signals(config.checkpoint_on_signal)))
     for epoch in range(first_epoch, config.epochs + 1):
       begin = min(first_batch if epoch == first_epoch else 0, steps_per_epoch)
+      if timeline is not None:
+        timeline.begin_epoch(epoch)
       state, sums, step, images, waited, seconds = _epoch(
           config, comm, state, sums, step, train_step=train_step, batches=batches(epoch, begin),
           epoch=epoch, begin=begin, steps=steps_per_epoch, watchdog=watchdog,
-          checkpoints=checkpoints, preemption=preemption)
+          checkpoints=checkpoints, preemption=preemption, profiler=profiler, timeline=timeline)
+      stragglers = timeline.end_epoch(epoch) if timeline is not None else None  # collective
       check_replicas({"params": state.params, "batch_stats": state.batch_stats}, comm)
       train = global_mean(allreduce_metrics(sums, comm))
       per_rank = images / seconds
@@ -362,18 +410,32 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
           "images_per_second": per_rank * comm.size,
           "input_wait_share": waited / seconds,
           "skipped_steps": skipped_steps(state.opt_state),
+          **_optimizer_values(state.opt_state, learning_rate, step),
       }
       if baseline:
         record["parallel_efficiency"] = per_rank / baseline
+      if stragglers is not None:  # rank 0, with MNJAX_TIMELINE: the epoch's straggler report
+        record.update(_timeline_values(stragglers))
       record.update(_evaluation(state, eval_batches, comm))
       checkpoints.wait()  # a failed save ends the run on every rank before the next record
       log.write(**record)
+      if board is not None:
+        board.write(step, record)
       if comm.is_root:
         print(_line(record, compiled=epoch == first_epoch), flush=True)
       sums = zero_sums()
       if config.checkpoint_every and epoch % config.checkpoint_every == 0:
         state = _flushed(state, comm, config)
         checkpoints.save(step, state, sums, epoch + 1, 0)
+    profiler.close(state)
+  if comm.is_root and profiler.window:
+    traced = profiler.steps
+    print(f"mnjax: jax.profiler trace of global steps {traced[0]} .. {traced[-1]} in"
+          f" {os.path.dirname(profiler.directory)}/rank<r> (tensorboard --logdir"
+          f" {config.workdir})"
+          if traced else f"mnjax: --profile_steps {config.profile_steps}: no step of global"
+          f" steps {profiler.window[0]} .. {profiler.window[1] - 1} ran; nothing traced.",
+          flush=True)
   if not record:  # resumed a finished run: report where it ended
     record = {"epoch": first_epoch - 1, "steps": step, **_evaluation(state, eval_batches, comm)}
   return state, record

@@ -389,7 +389,8 @@ def test_another_number_of_layers_or_width_on_one_rank_raises_on_every_rank(comm
     return
   step, variables, x = forward_only(comm, model)
   where = "collective 3: rank .* nothing" if layers == 3 else (
-      r"collective 1: rank \d+ SyncBatchNorm layer BatchNorm_0 \(float32\[3, 6\]\)")
+      # the wire's float32[2 x 6 + 1]: the sums of x and x^2 per feature, and one count
+      r"collective 1: rank \d+ SyncBatchNorm layer BatchNorm_0 \(float32\[13\]\)")
   with pytest.raises(ValueError, match=rf"the ranks traced different in-step collectives.*"
                                        rf"rank {comm.size - 1} traced {layers}"
                                        rf" collective\(s\).*{where}"):

@@ -30,14 +30,15 @@ WORKER = ["-m", "mnjax.bench.cluster_worker", "--params", str(PARAMS), "--steps"
 
 
 def _cluster_run(tmp_path, name, *, kind, wire="fp32", ranks_per_node=1, devices=None,
-                 nodes=2, rate="10gbit"):
+                 nodes=2, rate="10gbit", extra=()):
   out, counts = tmp_path / f"{name}.json", tmp_path / f"{name}.bytes.json"
   cmd = [sys.executable, "-m", "mnjax.cluster", "run", "--nodes", str(nodes), "--rate", rate,
          "--ranks-per-node", str(ranks_per_node), "--bytes-json", str(counts), "--timeout",
          "100"]
   if devices:
     cmd += ["--devices-per-rank", str(devices)]
-  cmd += ["--", sys.executable, *WORKER, "--kind", kind, "--wire", wire, "--out", str(out)]
+  cmd += ["--", sys.executable, *WORKER, "--kind", kind, "--wire", wire, "--out", str(out),
+          *extra]
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   return json.loads(out.read_text()), json.loads(counts.read_text())
@@ -75,11 +76,14 @@ def runs(tmp_path_factory):
     pytest.skip(UNAVAILABLE)
   tmp = tmp_path_factory.mktemp("cluster")
   got = {
-      "flat": _cluster_run(tmp, "flat", kind="flat", ranks_per_node=2),
+      # + shard_optimizer's reduce-scatter and allgather in the same job (its runs[1])
+      "flat": _cluster_run(tmp, "flat", kind="flat", ranks_per_node=2, extra=["--shard"]),
       "hierarchical": _cluster_run(tmp, "hier", kind="hierarchical", devices=2),
       "hierarchical_bf16": _cluster_run(tmp, "hier16", kind="hierarchical", wire="bf16",
                                         devices=2),
       "two_dimensional": _cluster_run(tmp, "twod", kind="two_dimensional", devices=2),
+      # jax.distributed's coordinator at node0 across the bridge; gloo on CPU
+      "xla": _cluster_run(tmp, "xla", kind="xla", devices=2),
   }
   assert not _orphans(), "a run left namespaces behind"
   return got
@@ -88,9 +92,14 @@ def runs(tmp_path_factory):
 @needs_namespaces
 @pytest.mark.parametrize("name,kind,ranks_per_node,wire_bits", [
     ("flat", "flat", 2, 32), ("hierarchical", "hierarchical", 1, 32),
-    ("hierarchical_bf16", "hierarchical", 1, 16), ("two_dimensional", "two_dimensional", 1, 32)])
+    ("hierarchical_bf16", "hierarchical", 1, 16), ("two_dimensional", "two_dimensional", 1, 32),
+    ("xla", "xla", 2, 32), ("shard_optimizer", "shard_optimizer", 2, 32)])
 def test_uplink_bytes_per_step_match_the_cost_model(runs, name, kind, ranks_per_node, wire_bits):
-  result, counts = runs[name]
+  result, counts = runs["flat" if name == "shard_optimizer" else name]
+  if name == "shard_optimizer":
+    result = result["runs"][1]
+    assert result["optimizer"] == "shard", result
+  assert result["ranks_agree"], result
   predicted = link.uplink_bytes(kind, GRAD_BYTES, nodes=2, ranks_per_node=ranks_per_node,
                                 wire_bits=wire_bits)
   _assert_bytes(result, predicted)
@@ -109,6 +118,16 @@ def test_bf16_wire_halves_the_bytes_and_hierarchical_matches_flat(runs):
   # MPICH's recursive halving with block placement is node-aware in bytes already: the model
   # (and this box) give hierarchical the same inter-node bytes as flat, not half.
   assert abs(fp32 / flat - 1) <= 0.10, (fp32, flat)
+
+
+@needs_namespaces
+def test_xla_rings_over_every_device(runs):
+  # gloo's ring crosses each uplink once per direction with 2 n (1 - 1/4) at 2 x 2: 1.5x the
+  # bytes of hierarchical, whose MPI exchange is between the two processes only.
+  xla, hier = (runs[k][0]["nodes"][0]["tx_bytes"] for k in ("xla", "hierarchical"))
+  assert 1.35 <= xla / hier <= 1.65, (xla, hier)
+  assert runs["xla"][0]["params_head"] == pytest.approx(runs["hierarchical"][0]["params_head"],
+                                                       rel=1e-6)
 
 
 @needs_namespaces

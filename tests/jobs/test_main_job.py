@@ -1,10 +1,12 @@
-"""The main job (experiments/train.py on the digits) as a user runs it: mpirun -n 2, and alone."""
+"""The main job (experiments/train.py on the digits) as a user runs it: mpirun -n 2, and alone;
+its TensorBoard scalars and a jax.profiler trace of two steps come with it."""
 
 import json
 import subprocess
 import sys
 
 import pytest
+from support.events import read_scalars
 from support.launch import REPO, run_mpi
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
@@ -19,7 +21,8 @@ def read_run(workdir):
 @pytest.mark.parametrize("ranks", [2, None], ids=["mpirun-n2", "no-mpirun"])
 def test_main_job_reaches_95_percent_test_accuracy(tmp_path, ranks):
   workdir = tmp_path / "run"
-  args = ["experiments/train.py", "--workdir", str(workdir), "--no-progress"]
+  args = ["experiments/train.py", "--workdir", str(workdir), "--no-progress",
+          "--profile_steps", "2:4"]
   if ranks is None:  # plain `python experiments/train.py`: a size-1 communicator
     result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True,
                             text=True, timeout=600)
@@ -36,6 +39,21 @@ def test_main_job_reaches_95_percent_test_accuracy(tmp_path, ranks):
   assert final["test_accuracy"] >= 0.95, final
   assert final["images_per_second"] > 0
   assert "final test accuracy" in output
+  # TensorBoard (--tensorboard auto): rank 0's scalars are the records, at their steps.
+  scalars = read_scalars(workdir / "tensorboard")
+  steps = [r["steps"] for r in records]
+  for tag, key in [("train/loss", "train_loss"), ("test/accuracy", "test_accuracy"),
+                   ("throughput/images_per_second", "images_per_second"),
+                   ("optimizer/learning_rate", "learning_rate"),
+                   ("optimizer/skipped_steps", "skipped_steps")]:
+    assert [s for s, _ in scalars[tag]] == steps, tag
+    assert [v for _, v in scalars[tag]] == pytest.approx([r[key] for r in records], rel=1e-6)
+  assert final["learning_rate"] == config["learning_rate"]
+  # --profile_steps 2:4: one jax.profiler trace per rank, of global steps 2 and 3.
+  for rank in range(ranks or 1):
+    (trace,) = (workdir / "profile" / f"rank{rank}" / "plugins" / "profile").iterdir()
+    assert list(trace.glob("*.xplane.pb")), sorted(trace.iterdir())
+  assert "jax.profiler trace of global steps 2 .. 3" in output
 
 
 def test_bad_global_batch_fails_on_every_rank_without_hanging(tmp_path):

@@ -124,6 +124,22 @@ def test_the_readme_srun_line_runs_as_written(cluster, reference, tmp_path):
   assert_bitwise(reference, tmp_path)
 
 
+def test_srun_with_comm_xla_trains_the_same_parameters(cluster, reference, tmp_path):
+  # jax.distributed under srun: the coordinator chosen by mnjax over MPI and checked from
+  # every rank (mnjax/comm/_coordinator.py), gloo between the tasks. One device per task:
+  # two float32 values per sum, as the flat reference, so bitwise equal.
+  env = {**cluster, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  name = f"mnjax-{uuid.uuid4().hex[:8]}"
+  proc = subprocess.Popen(
+      ["srun", "-J", name, "-N", "2", "-n", "2", *TRAIN, *FLAGS, "--comm", "xla",
+       "--workdir", str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  rc, out = finish(cluster, proc, name, timeout=300)
+  assert rc == 0, out[-5000:]
+  assert "2 rank(s) on 2 node(s) x 1 cpu device(s), kind xla" in out, out[-3000:]
+  assert_bitwise(reference, tmp_path)
+
+
 TOPOLOGY = """
 import json, os, mnjax
 comm = mnjax.create_communicator("flat")
@@ -222,6 +238,34 @@ def test_usr1_from_slurm_checkpoints_the_job_and_resume_finishes(cluster, tmp_pa
   assert os.listdir(workdir / "checkpoints") == [found.group(1)]  # the only checkpoint
   rc, out = srun(cluster, [*TRAIN, *FLAGS, "--workdir", str(workdir), "--resume"])
   assert rc == 0 and f"(step {found.group(1)})" in out, out[-5000:]
+
+
+def test_the_timed_usr1_of_the_example_script_checkpoints_before_the_limit(cluster, tmp_path):
+  # scripts/train.sbatch asks for USR1 120 s before the time limit (--signal=USR1@120).
+  # slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends the signal at the
+  # first check where end - 120 s - 30 s <= now. Submitted with a 10 min limit, the window
+  # opens once the job trains: the limit is then cut to end 1-2 min from now, so the next
+  # check (at most 30 s later) sends USR1 to the tasks, well before the limit's SIGTERM.
+  workdir, log = tmp_path / "run", tmp_path / "job.out"
+  job = slurm(cluster, "sbatch", "--parsable", "--no-requeue", "--time=10", "-N", "2",
+              "--ntasks-per-node=1", f"--output={log}", "scripts/train.sbatch", "--epochs",
+              "200", "--checkpoint_every", "0", "--workdir", str(workdir)).strip()
+  try:
+    wait_for_epoch(workdir, None)
+    shown = slurm(cluster, "scontrol", "show", "job", job)
+    run = [int(x) for x in re.search(r"RunTime=(\S+)", shown).group(1).split(":")]
+    minutes = -(-(run[-3] * 3600 + run[-2] * 60 + run[-1]) // 60) + 1   # ends in 60-120 s
+    slurm(cluster, "scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}")
+    cut = time.monotonic()
+    wait_until_ended(cluster, job, log, 150)
+    took = time.monotonic() - cut
+  finally:
+    subprocess.run(["scancel", job], env=cluster, timeout=30)
+  out = log.read_text()
+  found = re.search(r"SIGUSR1 received: checkpointed at step (\d+)", out)
+  assert found and job_state(cluster, job) == "FAILED", out[-5000:]   # not TIMEOUT
+  assert took < 60, (took, out[-3000:])   # the next 30 s check, the step, the save
+  assert os.listdir(workdir / "checkpoints") == [found.group(1)]
 
 
 def rank_pids(workdir):

@@ -62,7 +62,16 @@ def test_uplink_bytes():
   with pytest.raises(ValueError, match="one MPI rank per node"):
     link.uplink_bytes("flat", n, nodes=2, ranks_per_node=2, wire_bits=16)
   with pytest.raises(ValueError, match="knows flat"):
-    link.uplink_bytes("xla", n, nodes=2)
+    link.uplink_bytes("ring", n, nodes=2)
+  # gloo's ring over every device: 2 nodes x 2 devices send 1.5 n per node, not n
+  assert link.uplink_bytes("xla", n, nodes=2, ranks_per_node=2) == pytest.approx(1.5 * n)
+  assert link.uplink_bytes("xla", n, nodes=2) == link.uplink_bytes("flat", n, nodes=2)
+  # ZeRO-1: an allreduce's bytes with one rank per node; 1.75 n at 2 x 2 (not node-aware)
+  assert link.uplink_bytes("shard_optimizer", n, nodes=4) == pytest.approx(1.5 * n)
+  assert link.uplink_bytes("shard_optimizer", n, nodes=2, ranks_per_node=2) == pytest.approx(
+      1.75 * n)
+  with pytest.raises(ValueError, match="float32 wire"):
+    link.uplink_bytes("shard_optimizer", n, nodes=2, wire_bits=16)
 
 
 def test_fit_recovers_alpha_and_bandwidth():

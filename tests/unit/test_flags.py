@@ -55,6 +55,7 @@ def test_a_config_file_gives_the_values_and_flags_override_them(tmp_path):
     (["--comm", "ring"], "comm (--comm) must be one of ['auto', 'flat'"),
     (["--bucket_mb", "-1"], "--bucket_mb must be 'auto', 0 (one buffer per dtype) or a positive"),
     (["--wire_dtype", "int8"], "wire_dtype must be None"),
+    (["--profile_steps", "10:5"], "--profile_steps must be N (trace N steps from the run's"),
     (["--config", "nope"], "--config 'nope': no config file"),
     (["--config", "extra"], "sets ['colour'], which are not fields of Toy"),
     (["--config", "partial"], "the following arguments are required: --workdir"),
@@ -81,9 +82,11 @@ def test_the_flags_tests_and_readme_pass_to_the_experiments_still_parse():
   config = train.parse_args(["--epochs", "3", "--checkpoint_steps", "5", "--no-progress",
                              "--workdir", "w", "--resume", "--global_batch_size", "64",
                              "--comm", "hierarchical", "--wire_dtype", "bfloat16",
-                             "--bucket_mb", "1"])
+                             "--bucket_mb", "1", "--tensorboard", "", "--profile_steps",
+                             "10:13"])
   assert (config.epochs, config.checkpoint_steps, config.progress, config.resume) == (
       3, 5, False, True)
+  assert (config.tensorboard, config.profile_steps) == ("", "10:13")
   assert train.parse_args([]) == train.Config(**load_config(train.Config, "digits",
                                                             configs_dir=CONFIGS))
   config = imagenet.parse_args(["--config", "cifar10", "--global_batch_size", "8", "--base_lr",

@@ -1,5 +1,6 @@
 // mnjax's MPI collectives as XLA FFI handlers (CPU): allreduce (in place), alltoall,
-// allgather.
+// allgather, and for `mnjax.functions` (model parallelism) send, recv, bcast, gather,
+// scatter and reduce.
 //
 // In place: mpi4jax's handler always calls MPI_Allreduce(send, recv) on two buffers, so
 // XLA allocates a fresh result buffer per call (first-touch page faults on every page) and
@@ -12,6 +13,13 @@
 // independent operations concurrently, in any order) must finish one collective before it
 // starts the next, and every rank issues them in the same order.
 //
+// Timeline (mnjax.guard.Timeline): while enabled, every handler writes one event (kind,
+// bytes, communicator, the tag its lowering passed, the step the last step mark set, entry
+// and exit on CLOCK_MONOTONIC) into a ring buffer that Python drains; disabled, a handler
+// pays one relaxed atomic load. The `_tagged` targets take one more attribute, `tag`
+// (mnjax.comm._recorder's id for "bucket k of the gradient allreduce", ...), and exist so
+// that a step traced without a timeline lowers exactly as before.
+//
 // MPI handles arrive as int64 attributes (mpi4py's handle values), converted with memcpy so
 // both integer (MPICH) and pointer (Open MPI) handle types work. Built by
 // `python -m mnjax.native` with the MPI compiler wrapper.
@@ -19,6 +27,7 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -37,11 +46,64 @@ std::atomic<int64_t> completed_allreduces{0};
 std::atomic<int64_t> entered_collectives{0};
 std::atomic<int64_t> completed_collectives{0};
 
-// Counts one collective as entered now and completed when it goes out of scope.
-struct Counted {
-  Counted() { entered_collectives.fetch_add(1, std::memory_order_relaxed); }
-  ~Counted() { completed_collectives.fetch_add(1, std::memory_order_relaxed); }
+// One timeline event (mirrored by mnjax.comm._recorder.EVENT_DTYPE).
+struct Event {
+  int64_t start_ns, end_ns, bytes, comm, tag, step, kind, published;
 };
+// Event kinds (names: mnjax.comm._recorder.NATIVE_KINDS).
+enum Kind : int64_t { kAllreduce = 0, kAlltoall = 1, kAllgather = 2, kStepBegin = 3,
+                      kStepEnd = 4, kOther = 5, kSend = 6, kRecv = 7, kBcast = 8, kGather = 9,
+                      kScatter = 10, kReduce = 11 };
+
+std::atomic<bool> timeline_on{false};
+std::atomic<uint64_t> timeline_next{0};  // events ever claimed
+// Never freed: a handler that saw the timeline on may still write into the old ring.
+Event* timeline_ring = nullptr;
+uint64_t timeline_capacity = 0;
+std::atomic<int64_t> timeline_step{-1};  // set by the last step mark
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The one recording function every handler calls (new ones too: point-to-point ops).
+void RecordEvent(int64_t kind, int64_t start_ns, int64_t bytes, int64_t comm, int64_t tag) {
+  uint64_t i = timeline_next.fetch_add(1, std::memory_order_relaxed);
+  Event& e = timeline_ring[i % timeline_capacity];
+  e.published = 0;
+  std::atomic_thread_fence(std::memory_order_release);
+  e = Event{start_ns, NowNs(), bytes, comm, tag, timeline_step.load(std::memory_order_relaxed),
+            kind, 0};
+  std::atomic_thread_fence(std::memory_order_release);
+  reinterpret_cast<std::atomic<int64_t>*>(&e.published)->store(static_cast<int64_t>(i + 1),
+                                                                std::memory_order_release);
+}
+
+// The hook every handler uses: counts one collective as entered now and completed when it
+// goes out of scope (the watchdog's counters), and times it into the timeline when that is
+// on. `Counted counted;` records an unnamed exchange; pass what it is where known:
+// `Counted counted(kSend, bytes, comm);` (`tag`: the lowering's, see the `_tagged` targets).
+struct Counted {
+  explicit Counted(int64_t kind = kOther, int64_t bytes = 0, int64_t comm = 0, int64_t tag = 0)
+      : on(timeline_on.load(std::memory_order_relaxed)), kind(kind), bytes(bytes),
+        comm(comm), tag(tag), start(on ? NowNs() : 0) {
+    entered_collectives.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~Counted() {
+    if (on) RecordEvent(kind, start, bytes, comm, tag);
+    completed_collectives.fetch_add(1, std::memory_order_relaxed);
+  }
+  bool on;
+  int64_t kind, bytes, comm, tag, start;
+};
+
+int64_t TypeSize(MPI_Datatype t) {
+  int size = 0;
+  MPI_Type_size(t, &size);
+  return size;
+}
 
 template <typename Handle>
 Handle FromInt(int64_t value) {
@@ -73,14 +135,14 @@ ffi::Error CheckCount(int64_t count) {
   return ffi::Error::Success();
 }
 
-ffi::Error Allreduce(ffi::AnyBuffer operand, ffi::AnyBuffer after,
-                     ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t op,
-                     int64_t comm, int64_t dtype) {
+ffi::Error AllreduceTagged(ffi::AnyBuffer operand, ffi::AnyBuffer after,
+                           ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t op,
+                           int64_t comm, int64_t dtype, int64_t tag) {
   if (auto e = CheckCount(count); e.failure()) return e;
   MPI_Comm c = FromInt<MPI_Comm>(comm);
   void* send = operand.untyped_data();
   void* recv = result->untyped_data();
-  Counted counted;
+  Counted counted(kAllreduce, count * TypeSize(FromInt<MPI_Datatype>(dtype)), comm, tag);
   AbortOnError(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, static_cast<int>(count),
                              FromInt<MPI_Datatype>(dtype), FromInt<MPI_Op>(op), c),
                c, "MPI_Allreduce");
@@ -88,33 +150,171 @@ ffi::Error Allreduce(ffi::AnyBuffer operand, ffi::AnyBuffer after,
   return ffi::Error::Success();
 }
 
+ffi::Error Allreduce(ffi::AnyBuffer operand, ffi::AnyBuffer after,
+                     ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t op,
+                     int64_t comm, int64_t dtype) {
+  return AllreduceTagged(operand, after, result, count, op, comm, dtype, 0);
+}
+
 // MPI_Alltoall and MPI_Allgather share one signature: `count` items to (and from) each rank.
 using PairwiseCall = int (*)(const void*, int, MPI_Datatype, void*, int, MPI_Datatype,
                              MPI_Comm);
 
 template <PairwiseCall kCall>
-ffi::Error Pairwise(const char* name, ffi::AnyBuffer operand, ffi::Result<ffi::AnyBuffer> result,
-                    int64_t count, int64_t comm, int64_t dtype) {
+ffi::Error Pairwise(const char* name, int64_t kind, ffi::AnyBuffer operand,
+                    ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
+                    int64_t dtype, int64_t tag) {
   if (auto e = CheckCount(count); e.failure()) return e;
   MPI_Comm c = FromInt<MPI_Comm>(comm);
   MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
-  Counted counted;
+  Counted counted(kind, operand.size_bytes(), comm, tag);
   AbortOnError(kCall(operand.untyped_data(), static_cast<int>(count), t, result->untyped_data(),
                      static_cast<int>(count), t, c),
                c, name);
   return ffi::Error::Success();
 }
 
+ffi::Error AlltoallTagged(ffi::AnyBuffer operand, ffi::AnyBuffer after,
+                          ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
+                          int64_t dtype, int64_t tag) {
+  return Pairwise<MPI_Alltoall>("MPI_Alltoall", kAlltoall, operand, result, count, comm, dtype,
+                                tag);
+}
+
 ffi::Error Alltoall(ffi::AnyBuffer operand, ffi::AnyBuffer after,
                     ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
                     int64_t dtype) {
-  return Pairwise<MPI_Alltoall>("MPI_Alltoall", operand, result, count, comm, dtype);
+  return AlltoallTagged(operand, after, result, count, comm, dtype, 0);
+}
+
+ffi::Error AllgatherTagged(ffi::AnyBuffer operand, ffi::AnyBuffer after,
+                           ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
+                           int64_t dtype, int64_t tag) {
+  return Pairwise<MPI_Allgather>("MPI_Allgather", kAllgather, operand, result, count, comm,
+                                 dtype, tag);
 }
 
 ffi::Error Allgather(ffi::AnyBuffer operand, ffi::AnyBuffer after,
                      ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
                      int64_t dtype) {
-  return Pairwise<MPI_Allgather>("MPI_Allgather", operand, result, count, comm, dtype);
+  return AllgatherTagged(operand, after, result, count, comm, dtype, 0);
+}
+
+// A step mark (traced only while a timeline is on): `operand` is the step number (int32),
+// copied to the result; `kind` 0 marks the step's start (later collectives belong to it), 1
+// its end (`after`: a value computed from the step's outputs).
+ffi::Error Mark(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> result,
+                int64_t kind) {
+  int32_t step = *static_cast<const int32_t*>(operand.untyped_data());
+  *static_cast<int32_t*>(result->untyped_data()) = step;
+  if (!timeline_on.load(std::memory_order_relaxed)) return ffi::Error::Success();
+  if (kind == 0) timeline_step.store(step, std::memory_order_relaxed);
+  RecordEvent(kind == 0 ? kStepBegin : kStepEnd, NowNs(), 0, 0, step);
+  return ffi::Error::Success();
+}
+
+// Point-to-point and rooted collectives for `mnjax.functions`. Each takes the same unused
+// `after` operand for ordering. A result a rank has no data for (a send's, a non-root's gather
+// or reduce) is a small buffer written with zeros: the next collective's `after`.
+void Zero(ffi::Result<ffi::AnyBuffer>& result) {
+  std::memset(result->untyped_data(), 0, result->size_bytes());
+}
+
+ffi::Error Send(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> done,
+                int64_t count, int64_t peer, int64_t tag, int64_t comm, int64_t dtype) {
+  if (auto e = CheckCount(count); e.failure()) return e;
+  MPI_Comm c = FromInt<MPI_Comm>(comm);
+  Counted counted;
+  AbortOnError(MPI_Send(operand.untyped_data(), static_cast<int>(count),
+                        FromInt<MPI_Datatype>(dtype), static_cast<int>(peer),
+                        static_cast<int>(tag), c),
+               c, "MPI_Send");
+  Zero(done);
+  return ffi::Error::Success();
+}
+
+ffi::Error Recv(ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> result, int64_t count,
+                int64_t peer, int64_t tag, int64_t comm, int64_t dtype) {
+  if (auto e = CheckCount(count); e.failure()) return e;
+  MPI_Comm c = FromInt<MPI_Comm>(comm);
+  MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
+  MPI_Status status;
+  Counted counted;
+  AbortOnError(MPI_Recv(result->untyped_data(), static_cast<int>(count), t,
+                        static_cast<int>(peer), static_cast<int>(tag), c, &status),
+               c, "MPI_Recv");
+  int got = 0;
+  MPI_Get_count(&status, t, &got);
+  if (got != count) {  // the pre-flight pairs shapes: only a bypassed check gets here
+    std::fprintf(stderr, "mnjax: MPI_Recv from rank %d got %d items, expected %lld; aborting\n",
+                 static_cast<int>(peer), got, static_cast<long long>(count));
+    std::fflush(stderr);
+    MPI_Abort(c, 1);
+  }
+  return ffi::Error::Success();
+}
+
+int RankOf(MPI_Comm c) {
+  int rank = -1;
+  MPI_Comm_rank(c, &rank);
+  return rank;
+}
+
+ffi::Error Bcast(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> result,
+                 int64_t count, int64_t root, int64_t comm, int64_t dtype) {
+  if (auto e = CheckCount(count); e.failure()) return e;
+  MPI_Comm c = FromInt<MPI_Comm>(comm);
+  if (result->untyped_data() != operand.untyped_data()) {  // not aliased: start from the operand
+    std::memcpy(result->untyped_data(), operand.untyped_data(), result->size_bytes());
+  }
+  Counted counted;
+  AbortOnError(MPI_Bcast(result->untyped_data(), static_cast<int>(count),
+                         FromInt<MPI_Datatype>(dtype), static_cast<int>(root), c),
+               c, "MPI_Bcast");
+  return ffi::Error::Success();
+}
+
+ffi::Error Gather(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> result,
+                  int64_t count, int64_t root, int64_t comm, int64_t dtype) {
+  if (auto e = CheckCount(count); e.failure()) return e;
+  MPI_Comm c = FromInt<MPI_Comm>(comm);
+  MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
+  bool is_root = RankOf(c) == root;
+  if (!is_root) Zero(result);
+  Counted counted;
+  AbortOnError(MPI_Gather(operand.untyped_data(), static_cast<int>(count), t,
+                          is_root ? result->untyped_data() : nullptr, static_cast<int>(count), t,
+                          static_cast<int>(root), c),
+               c, "MPI_Gather");
+  return ffi::Error::Success();
+}
+
+ffi::Error Scatter(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> result,
+                   int64_t count, int64_t root, int64_t comm, int64_t dtype) {
+  if (auto e = CheckCount(count); e.failure()) return e;
+  MPI_Comm c = FromInt<MPI_Comm>(comm);
+  MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
+  bool is_root = RankOf(c) == root;
+  Counted counted;
+  AbortOnError(MPI_Scatter(is_root ? operand.untyped_data() : nullptr, static_cast<int>(count), t,
+                           result->untyped_data(), static_cast<int>(count), t,
+                           static_cast<int>(root), c),
+               c, "MPI_Scatter");
+  return ffi::Error::Success();
+}
+
+ffi::Error Reduce(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> result,
+                  int64_t count, int64_t root, int64_t op, int64_t comm, int64_t dtype) {
+  if (auto e = CheckCount(count); e.failure()) return e;
+  MPI_Comm c = FromInt<MPI_Comm>(comm);
+  bool is_root = RankOf(c) == root;
+  if (!is_root) Zero(result);
+  Counted counted;
+  AbortOnError(MPI_Reduce(operand.untyped_data(), is_root ? result->untyped_data() : nullptr,
+                          static_cast<int>(count), FromInt<MPI_Datatype>(dtype),
+                          FromInt<MPI_Op>(op), static_cast<int>(root), c),
+               c, "MPI_Reduce");
+  return ffi::Error::Success();
 }
 
 // (operand, after) -> result, with the attributes every handler shares.
@@ -128,6 +328,50 @@ auto Binding() {
 
 }  // namespace
 
+// Starts recording into a ring of at least `capacity` events (0: stops recording); returns
+// the cursor to drain from.
+extern "C" uint64_t mnjax_timeline_enable(int64_t capacity) {
+  timeline_on.store(false);
+  if (capacity > 0) {
+    if (static_cast<uint64_t>(capacity) > timeline_capacity) {
+      timeline_ring = new Event[capacity]();
+      timeline_capacity = static_cast<uint64_t>(capacity);
+      // Indices already claimed would map to other slots of the new ring: skip past them.
+      timeline_next.fetch_add(timeline_capacity);
+    }
+    timeline_step.store(-1);
+    timeline_on.store(true);
+  }
+  return timeline_next.load();
+}
+
+// Copies the events claimed since `*cursor` (at most the ring's capacity: older ones were
+// overwritten, their number is returned through `lost`) into `out`; returns how many. An
+// event still being written is left for the next drain.
+extern "C" int64_t mnjax_timeline_drain(Event* out, int64_t max, uint64_t* cursor,
+                                        int64_t* lost) {
+  *lost = 0;
+  if (timeline_capacity == 0) return 0;
+  uint64_t end = timeline_next.load(std::memory_order_acquire);
+  uint64_t from = *cursor;
+  if (end - from > timeline_capacity) {
+    *lost = static_cast<int64_t>(end - from - timeline_capacity);
+    from = end - timeline_capacity;
+  }
+  int64_t n = 0;
+  for (; from < end && n < max; ++from) {
+    const Event& e = timeline_ring[from % timeline_capacity];
+    auto published = reinterpret_cast<const std::atomic<int64_t>*>(&e.published)->load(
+        std::memory_order_acquire);
+    if (published != static_cast<int64_t>(from + 1)) break;
+    out[n++] = e;
+  }
+  *cursor = from;
+  return n;
+}
+
+extern "C" int64_t mnjax_timeline_now() { return NowNs(); }
+
 extern "C" int64_t mnjax_allreduce_calls() { return completed_allreduces.load(); }
 extern "C" int64_t mnjax_collectives_entered() { return entered_collectives.load(); }
 extern "C" int64_t mnjax_collectives_completed() { return completed_collectives.load(); }
@@ -139,3 +383,47 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_alltoall, Alltoall,
                               Binding().Attr<int64_t>("comm").Attr<int64_t>("dtype"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allgather, Allgather,
                               Binding().Attr<int64_t>("comm").Attr<int64_t>("dtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_tagged, AllreduceTagged,
+                              Binding()
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("dtype")
+                                  .Attr<int64_t>("tag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_alltoall_tagged, AlltoallTagged,
+                              Binding().Attr<int64_t>("comm").Attr<int64_t>("dtype").Attr<int64_t>(
+                                  "tag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allgather_tagged, AllgatherTagged,
+                              Binding().Attr<int64_t>("comm").Attr<int64_t>("dtype").Attr<int64_t>(
+                                  "tag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mark, Mark,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("kind"));
+
+// (after) -> result: a receive has no operand of its own.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_send, Send,
+                              Binding().Attr<int64_t>("peer").Attr<int64_t>("tag")
+                                  .Attr<int64_t>("comm").Attr<int64_t>("dtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_recv, Recv,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("count")
+                                  .Attr<int64_t>("peer")
+                                  .Attr<int64_t>("tag")
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("dtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_bcast, Bcast,
+                              Binding().Attr<int64_t>("root").Attr<int64_t>("comm").Attr<int64_t>(
+                                  "dtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_gather, Gather,
+                              Binding().Attr<int64_t>("root").Attr<int64_t>("comm").Attr<int64_t>(
+                                  "dtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_scatter, Scatter,
+                              Binding().Attr<int64_t>("root").Attr<int64_t>("comm").Attr<int64_t>(
+                                  "dtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_reduce, Reduce,
+                              Binding().Attr<int64_t>("root").Attr<int64_t>("op").Attr<int64_t>(
+                                  "comm").Attr<int64_t>("dtype"));

@@ -1,0 +1,205 @@
+"""State that is each rank's own by design (a model-parallel stage's parameters and optimizer
+state), saved from every rank and restored to the rank that saved it.
+
+`mnjax.Checkpointer` writes rank 0's tree and refuses leaves that differ between replicas
+(`mnjax.checkpoint._per_rank`), because rank 0's copy would be everyone's on restore. A
+multi-node model is the opposite case: rank 1 holds stage 1 and nothing else, so its state
+is not a replica of anything. Wrapping it in `PerRankState` says so:
+
+* **save**: every rank sends its `PerRankState` s' leaves to rank 0 (point-to-point, one
+  message per leaf, after one allgather of their signatures), and rank 0 writes them in the
+  same checkpoint as the replicated state, as ``{"rank_0": ..., "rank_1": ...}`` in the
+  node's place. One checkpoint holds every rank's stage, so a step is complete for all ranks
+  or for none (no rank resumes from a step another rank never wrote), and the usual digests
+  cover every stage;
+* **restore**: the template's `PerRankState` s give every rank's shapes (one allgather), rank
+  0 reads and verifies the checkpoint, and each rank gets its own part back, bitwise. The
+  checkpoint fixes the number of ranks: restored on another number, it is a
+  `CheckpointTemplateError` (the ranks' keys differ).
+
+The ranks' trees inside may differ in anything (structure, shapes, dtypes); the
+`PerRankState` nodes themselves must sit at the same paths on every rank. Each rank briefly
+holds every rank's part while restoring (as the whole `shard_optimizer` state), and rank 0
+while saving. A `ShardedState` inside a `PerRankState` is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from mnjax.checkpoint._template import is_key
+from mnjax.comm._communicator import Communicator
+from mnjax.comm._host import gather_if_different
+from mnjax.optim._shard_state import ShardedState
+
+__all__ = ["PerRankState", "check", "expand", "gather", "pick", "whole_template"]
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class PerRankState:
+  """`inner`: a pytree that is rank `rank`'s own (of `size`), saved and restored per rank.
+
+  A pytree whose one child is `inner`, under the key ``.rank_<rank>_of_<size>``.
+  `mnjax.Checkpointer` saves every rank's `inner` (rank 0 writes them all) and restores each
+  rank's own; replicated-state checks leave it out.
+
+  Example:
+    >>> import tempfile
+    >>> stage = mnjax.checkpoint.PerRankState({"w": jnp.full(2, comm.rank)}, comm)
+    >>> ckpt = mnjax.Checkpointer(tempfile.mkdtemp(), comm, async_save=False)
+    >>> ckpt.save(1, {"stage": stage, "step": 1})
+    >>> step, back, _ = ckpt.restore({"stage": stage, "step": 0})
+    >>> back["stage"].inner["w"].tolist() == [comm.rank] * 2
+    True
+    >>> ckpt.close()
+  """
+
+  def __init__(self, inner: Any, comm: Communicator | None = None, *, rank: int | None = None,
+               size: int | None = None):
+    if comm is not None:
+      rank, size = comm.rank, comm.size
+    if rank is None or size is None:
+      raise TypeError("PerRankState(inner, comm): pass the communicator (or rank= and size=).")
+    self.inner, self.rank, self.size = inner, int(rank), int(size)
+
+  def tree_flatten_with_keys(self):
+    return ((jax.tree_util.GetAttrKey(f"rank_{self.rank}_of_{self.size}"), self.inner),), (
+        self.rank, self.size)
+
+  def tree_flatten(self):
+    return (self.inner,), (self.rank, self.size)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], rank=aux[0], size=aux[1])
+
+  def __repr__(self) -> str:
+    return f"PerRankState(rank={self.rank}, size={self.size}, inner={self.inner!r})"
+
+
+def _is_own(x: Any) -> bool:
+  return isinstance(x, PerRankState)
+
+
+def _nodes(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+  """``[(path, leaf or PerRankState)]`` and the tree's structure above them."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_own)
+  return [(jax.tree_util.keystr(path), x) for path, x in flat], treedef
+
+
+def _describe(inner: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
+  """The treedef and ``(shape, dtype)`` per leaf of `inner` (keys as their key data;
+  picklable, no data)."""
+  leaves, treedef = jax.tree.flatten(inner)
+  leaves = [jax.random.key_data(x) if is_key(x) else x for x in leaves]
+  return treedef, [(tuple(np.shape(x)), str(np.dtype(x.dtype) if hasattr(x, "dtype")
+                                          else np.asarray(x).dtype)) for x in leaves]
+
+
+def check(comm: Communicator, tree: Any, caller: str) -> str | None:
+  """What is wrong with the `PerRankState` s of `tree`, the same text on every rank (None
+  when nothing is): each must be this rank's (``rank == comm.rank``, ``size == comm.size``),
+  hold no `ShardedState`, and sit at the same paths on every rank. Collective (one small
+  allgather when the ranks agree)."""
+  nodes = [(path, x) for path, x in _nodes(tree)[0] if _is_own(x)]
+  mine = None
+  for path, x in nodes:
+    if (x.rank, x.size) != (comm.rank, comm.size):
+      mine = (f"the PerRankState at {path or '<root>'} is rank {x.rank}'s of {x.size}, but"
+              f" the communicator is rank {comm.rank} of {comm.size}: build it with"
+              " PerRankState(inner, comm) for this communicator")
+    elif any(isinstance(y, ShardedState) for y in jax.tree.leaves(
+        x.inner, is_leaf=lambda y: isinstance(y, ShardedState))):
+      mine = (f"the PerRankState at {path or '<root>'} holds a shard_optimizer state; a"
+              " ShardedState is already saved per rank: keep it outside the PerRankState")
+    if mine:
+      break
+  paths = [path for path, _ in nodes]
+  everyone = (gather_if_different(comm, (paths, mine), what=f"{caller}'s per-rank state")
+              if comm.size > 1 else None)
+  if everyone is None:
+    return None if mine is None else f"{caller}: {mine}."
+  problems = [(rank, text) for rank, (_, text) in enumerate(everyone) if text]
+  if problems:
+    return f"{caller}: on rank {problems[0][0]}, {problems[0][1]}."
+  differing = next(rank for rank, (p, _) in enumerate(everyone) if p != everyone[0][0])
+  return (f"{caller}: the ranks hold PerRankState s at different paths: rank 0"
+          f" {everyone[0][0]}, rank {differing} {everyone[differing][0]}. Every rank must"
+          " pass a tree with a PerRankState at the same paths (its contents may differ).")
+
+
+def gather(comm: Communicator, tree: Any, to_host: Callable[[Any], Any]) -> list[list[Any]] | None:
+  """Rank 0: for each `PerRankState` of `tree` (flattening order), every rank's `inner` as a
+  host tree (``[node][rank]``); None elsewhere. Collective: one allgather of the signatures,
+  then one message per leaf to rank 0 (`check` first, so that every rank takes part)."""
+  inners = [jax.tree.map(to_host, x.inner) for _, x in _nodes(tree)[0] if _is_own(x)]
+  if comm.size == 1:
+    return [[inner] for inner in inners]
+  mpi = comm.mpi_comm
+  described = mpi.gather([_describe(inner) for inner in inners], root=0)
+  if not comm.is_root:
+    for inner in inners:
+      for leaf in jax.tree.leaves(inner):
+        mpi.Send(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8), dest=0, tag=7)
+    return None
+  out = []
+  for node, inner in enumerate(inners):
+    parts = [inner]
+    for rank in range(1, comm.size):
+      treedef, signature = described[rank][node]
+      leaves = []
+      for shape, dtype in signature:
+        buffer = np.empty(shape, np.dtype(dtype))
+        mpi.Recv(buffer.reshape(-1).view(np.uint8), source=rank, tag=7)
+        leaves.append(buffer)
+      parts.append(jax.tree.unflatten(treedef, leaves))
+    out.append(parts)
+  # Ranks send in node order, so rank 0 receives node by node from each rank in turn.
+  return out
+
+
+def expand(tree: Any, parts: list[list[Any]]) -> Any:
+  """`tree` as it is written: each `PerRankState` replaced by ``{"rank_<r>": part}``
+  (`parts`, from `gather`)."""
+  flat, treedef = _nodes(tree)
+  parts = iter(parts)
+  return jax.tree.unflatten(treedef, [
+      {f"rank_{r}": p for r, p in enumerate(next(parts))} if _is_own(x) else x for _, x in flat])
+
+
+def whole_template(comm: Communicator, template: Any) -> Any:
+  """The tree a checkpoint of `template` holds: each `PerRankState` replaced by every rank's
+  placeholders (numpy, allocating nothing; from one allgather of the ranks' signatures)."""
+  flat, treedef = _nodes(template)
+  mine = [_describe(x.inner) for _, x in flat if _is_own(x)]
+  if not mine:
+    return template
+  everyone = comm.mpi_comm.allgather(mine) if comm.size > 1 else [mine]
+  out, node = [], 0
+  for _, x in flat:
+    if _is_own(x):
+      out.append({f"rank_{r}": jax.tree.unflatten(every[node][0], [
+          np.broadcast_to(np.zeros((), np.dtype(dtype)), shape) for shape, dtype in every[node][1]])
+          for r, every in enumerate(everyone)})
+      node += 1
+    else:
+      out.append(x)
+  return jax.tree.unflatten(treedef, out)
+
+
+def pick(comm: Communicator, state: Any, template: Any, like: Callable[[Any, Any], Any]) -> Any:
+  """`state` (restored in `whole_template(template)`'s form) with this rank's part put back
+  in each `PerRankState` of `template`, its leaves made `like` the template's."""
+  flat, treedef = _nodes(template)
+  values = treedef.flatten_up_to(state)
+  out = []
+  for (_, t), value in zip(flat, values):
+    if _is_own(t):
+      value = PerRankState(jax.tree.map(like, value[f"rank_{comm.rank}"], t.inner),
+                           rank=t.rank, size=t.size)
+    out.append(value)
+  return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,193 @@
+"""Bytes between ranks, in messages MPI can count: chunked point-to-point, bcast, alltoallv.
+
+MPI counts in C ``int``s: one call moves at most 2**31 - 1 elements, and MPI-3 libraries
+(Open MPI 4.1, which mnjax supports beside MPICH) have no large-count calls. A pickled
+object or a fused array buffer can be larger, so every payload here moves as raw bytes in
+pieces of at most `MAX_MESSAGE_BYTES` per call (counts and displacements alike). The number
+of pieces follows from sizes every rank already knows (the agreed descriptions of
+`mnjax.collectives._agreement`, or the header of a point-to-point message), so every rank
+issues the same number of calls.
+
+Point-to-point messages are a small pickled header (what follows: its kind, the sender's
+metadata, its size and the sender's piece size) sent synchronously, then the pieces. Both
+ends wait for the header departure-aware (`mnjax.comm._host.wait`): a peer that finished its
+program is named instead of waited for. Everything travels on ``comm.mpi_comm``, the
+communicator of mnjax's host collectives, never on the in-step ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mnjax.collectives._agreement import check_rank
+from mnjax.comm._communicator import Communicator
+from mnjax.comm._host import wait
+
+__all__ = [
+    "MAX_MESSAGE_BYTES", "bcast_bytes", "check_peer", "check_tag", "exchange_bytes",
+    "pieces", "recv_message", "send_message",
+]
+
+#: The most bytes one MPI call moves: MPI's int count limit. Tests lower it to exercise the
+#: chunking; the ranks compare it in every collective (a rank with another limit would
+#: issue another number of calls).
+MAX_MESSAGE_BYTES = 2**31 - 1
+
+
+def pieces(nbytes: int, limit: int) -> list[slice]:
+  """The byte ranges, each at most `limit` long, that cover `nbytes` (none for 0).
+
+  Example:
+    >>> pieces(5, 2)
+    [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+  """
+  return [slice(start, min(start + limit, nbytes)) for start in range(0, nbytes, limit)]
+
+
+def bcast_bytes(buf: np.ndarray, comm: Communicator, root: int, limit: int) -> np.ndarray:
+  """`root`'s bytes in `buf` (uint8, the same length on every rank), in place, in pieces.
+
+  Example:
+    >>> bcast_bytes(np.arange(5, dtype=np.uint8), comm, 0, limit=2).tolist()
+    [0, 1, 2, 3, 4]
+  """
+  for piece in pieces(buf.size, limit):
+    comm.mpi_comm.Bcast(buf[piece], root=root)
+  return buf
+
+
+def exchange_bytes(op: str, sends: Sequence[np.ndarray], recv_sizes: Sequence[int],
+                   comm: Communicator, max_part: int, limit: int, root: int = 0
+                   ) -> list[np.ndarray]:
+  """The bytes from each rank (``recv_sizes[i]`` from rank ``i``; zeros where nothing comes).
+
+  `op`: ``"alltoallv"`` (``sends[j]`` to rank ``j``), ``"allgatherv"`` (``sends[0]`` to
+  every rank) or ``"gatherv"`` (``sends[0]`` to `root`). `max_part`: the largest part any
+  rank sends (the same on every rank) fixes the number of rounds: each moves at most
+  ``limit // comm.size`` bytes of every part, so no count or displacement exceeds `limit`.
+  With one round (any payload below the limit) the parts are views of one received buffer.
+
+  Example:
+    >>> [b.tolist() for b in exchange_bytes("allgatherv", [np.ones(3, np.uint8)], [3] * comm.size,
+    ...                                     comm, 3, 8)] == [[1, 1, 1]] * comm.size
+    True
+  """
+  step = max(1, limit // comm.size)
+  rounds = pieces(max_part, step)
+  received = ([np.empty(n, np.uint8) for n in recv_sizes] if len(rounds) > 1
+              else [np.empty(0, np.uint8)] * len(recv_sizes))
+  for round_ in rounds:
+    start = round_.start
+    scounts = [max(0, min(step, s.size - start)) for s in sends]
+    rcounts = [max(0, min(step, n - start)) for n in recv_sizes]
+    rdispls = _displacements(rcounts)
+    rbuf = np.empty(sum(rcounts), np.uint8)
+    received_here = [rbuf, (rcounts, rdispls), MPI.BYTE]
+    if op == "alltoallv":
+      sbuf = np.concatenate([s[start:start + c] for s, c in zip(sends, scounts)])
+      comm.mpi_comm.Alltoallv([sbuf, (scounts, _displacements(scounts)), MPI.BYTE],
+                              received_here)
+    elif op == "allgatherv":  # as an Alltoallv of one buffer: MPICH's Allgatherv took
+      # 0.4-6.6 s for 25 MiB per rank here (2-3 ranks), its Alltoallv 0.08-0.13 s
+      comm.mpi_comm.Alltoallv(
+          [sends[0][start:start + scounts[0]], ([scounts[0]] * comm.size, [0] * comm.size),
+           MPI.BYTE], received_here)
+    else:
+      comm.mpi_comm.Gatherv([sends[0][start:start + scounts[0]], MPI.BYTE],
+                            received_here if comm.rank == root else None, root=root)
+    if len(rounds) == 1:
+      return [rbuf[offset:offset + count] for count, offset in zip(rcounts, rdispls)]
+    for out, count, offset in zip(received, rcounts, rdispls):
+      out[start:start + count] = rbuf[offset:offset + count]
+  return received
+
+
+def _displacements(counts: Sequence[int]) -> list[int]:
+  return [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
+
+
+def send_message(comm: Communicator, kind: str, meta: Any, payload: np.ndarray, dest: int,
+                 tag: int, what: str) -> None:
+  """Sends ``(kind, meta)`` and the uint8 `payload` to `dest` (see `recv_message`).
+
+  Example:
+    >>> send_message(comm, "object", None, np.zeros(3, np.uint8), 1, 0,  # doctest: +SKIP
+    ...              "send_obj")
+  """
+  limit = MAX_MESSAGE_BYTES
+  header = comm.mpi_comm.issend((kind, meta, int(payload.size), limit), dest=dest, tag=tag)
+  wait(comm, header, f"{what} (to rank {dest}, tag {tag}, waiting for its receive)",
+       peers=[dest])
+  for piece in pieces(payload.size, limit):
+    comm.mpi_comm.Send(payload[piece], dest=dest, tag=tag)
+
+
+class _Probe:
+  """A matched probe with MPI's ``Test()`` (so that `wait` can poll it)."""
+
+  def __init__(self, mpi_comm: MPI.Comm, source: int, tag: int):
+    self._args = (mpi_comm, source, tag)
+    self.message: MPI.Message | None = None
+    self.status = MPI.Status()
+
+  def Test(self) -> bool:  # MPI's name
+    mpi_comm, source, tag = self._args
+    self.message = mpi_comm.improbe(source=source, tag=tag, status=self.status)
+    return self.message is not None
+
+
+def recv_message(comm: Communicator, source: int, tag: int, what: str
+                 ) -> tuple[str, Any, np.ndarray, int]:
+  """``(kind, meta, payload, tag)`` of the next message from `source` with `tag`
+  (``MPI.ANY_TAG``: any), as `send_message` sent it.
+
+  Example:
+    >>> kind, meta, payload, tag = recv_message(comm, 0, MPI.ANY_TAG, "recv_obj")  # doctest: +SKIP
+  """
+  probe = _Probe(comm.mpi_comm, source, tag)
+  shown = "any tag" if tag == MPI.ANY_TAG else f"tag {tag}"
+  wait(comm, probe, f"{what} (from rank {source}, {shown})", peers=[source])
+  tag = probe.status.Get_tag()
+  kind, meta, nbytes, limit = probe.message.recv()
+  payload = np.empty(nbytes, np.uint8)
+  for piece in pieces(nbytes, limit):
+    comm.mpi_comm.Recv(payload[piece], source=source, tag=tag)
+  return kind, meta, payload, tag
+
+
+def check_peer(comm: Communicator, peer: Any, name: str, caller: str) -> int:
+  """`peer` as a rank of `comm` other than this one, or a `ValueError` saying what came.
+  Local (point-to-point has no collective round to raise everywhere: the rank that raises
+  ends the job through `mnjax.comm._failfast`, so its peer does not wait for it).
+
+  Example:
+    >>> check_peer(comm, comm.size, "dest", "send")
+    Traceback (most recent call last):
+    ...
+    ValueError: send: dest must be a rank of the communicator other than this one ...
+  """
+  if not check_rank(peer, comm.size) or peer == comm.rank:
+    raise ValueError(
+        f"{caller}: {name} must be a rank of the communicator other than this one (rank"
+        f" {comm.rank} of {comm.size}: one of"
+        f" {[r for r in range(comm.size) if r != comm.rank]}), got {peer!r}. On a"
+        " sub-communicator (comm.split), ranks count within the group.")
+  return int(peer)
+
+
+def check_tag(tag: Any, caller: str) -> int:
+  """`tag` as an MPI tag (an int in [0, MPI.TAG_UB]), or a `ValueError`.
+
+  Example:
+    >>> check_tag(3, "send")
+    3
+  """
+  upper = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+  if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool) or not 0 <= tag <= upper:
+    raise ValueError(f"{caller}: tag must be an int in [0, {upper}] (MPI's tag range), got"
+                     f" {tag!r}.")
+  return int(tag)

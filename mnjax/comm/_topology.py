@@ -1,0 +1,59 @@
+"""Which ranks share a node, and where each node sits among the nodes.
+
+`create_communicator` splits its ranks by node (MPI's shared-memory split, or
+``MNJAX_EMULATE_NODES``'s consecutive ranks) and numbers the nodes; `mnjax.collectives.split`
+numbers the nodes of a group of ranks from the parent's. Both read the topology here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mpi4py import MPI
+
+__all__ = ["EMULATE_NODES", "node_split", "node_topology"]
+
+#: Environment variable: emulate this many nodes of consecutive ranks (a testing aid).
+EMULATE_NODES = "MNJAX_EMULATE_NODES"
+
+
+def node_split(clone: MPI.Intracomm) -> MPI.Intracomm:
+  """The processes on this node: MPI's shared-memory split, or with ``MNJAX_EMULATE_NODES=k``
+  (a testing aid) ``k`` nodes of consecutive ranks, so one host can play a small cluster.
+  Collective over `clone`.
+
+  Example:
+    >>> node = node_split(comm.mpi_comm)        # one process: its own node
+    >>> node.size
+    1
+    >>> node.Free()
+  """
+  emulate = os.environ.get(EMULATE_NODES, "")
+  if not emulate:
+    return clone.Split_type(MPI.COMM_TYPE_SHARED, key=clone.rank)
+  k = int(emulate) if emulate.isdigit() else 0
+  if k < 1 or clone.size % k:
+    raise ValueError(
+        f"create_communicator: {EMULATE_NODES}={emulate!r} must be a positive number of"
+        f" emulated nodes that divides the {clone.size} processes; unset it to use the real"
+        " nodes."
+    )
+  return clone.Split(color=clone.rank // (clone.size // k), key=clone.rank)
+
+
+def node_topology(clone: MPI.Intracomm, node: MPI.Intracomm) -> tuple[int, int, int, int]:
+  """``(intra_rank, intra_size, inter_rank, inter_size)`` of this rank, from its node's
+  communicator `node` (a split of `clone` by node). Collective over `clone` and `node`.
+
+  Example:
+    >>> node = comm.mpi_comm.Split(color=0, key=comm.rank)    # one node
+    >>> node_topology(comm.mpi_comm, node) == (comm.rank, comm.size, 0, 1)
+    True
+    >>> node.Free()
+  """
+  # Node index: count the node leaders (node-local rank 0) that come before ours.
+  leader = int(node.rank == 0)
+  inter_size = clone.allreduce(leader)
+  before = clone.exscan(leader)
+  inter_rank = node.bcast(before or 0, root=0)
+  return node.rank, node.size, inter_rank, inter_size

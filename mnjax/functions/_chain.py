@@ -1,0 +1,185 @@
+"""How `mnjax.functions` orders its exchanges and makes ``jax.grad`` run their backward.
+
+Order. Each exchange waits for the previous in-step collective of the step (its ``after``
+operand: `mnjax.comm._sequence.ORDER`, the chain SyncBatchNorm and the gradient buckets
+use), so every rank runs its exchanges in the order it traced them, which is the order the
+pre-flight check paired. ``jax.grad`` complicates where values live: the user's function
+runs in a linearize trace inside the step's trace, the ``custom_vjp`` rules in the step's
+trace itself. So a forward exchange takes the last link if its trace can use it
+(`ORDER.reachable`), and a backward one waits both for that and for its own forward
+result (a residual): the first backward exchange thus follows the last forward one, and
+each later one the backward exchange traced before it. A gradient bucket after
+``jax.grad`` follows the last backward exchange.
+
+Backward. ``jax.grad`` differentiates only what depends on its inputs: a ``recv`` on the
+second stage, whose result depends on nothing the rank differentiates, would get no
+backward, and the first stage would wait forever for its gradient. ChainerMN gives such
+functions a dummy input variable; here every differentiable exchange takes an `anchor`:
+a zero read from a fresh ``jax.new_ref``, which ``jax.grad`` gives a tangent of its own.
+So inside a differentiated function every exchange has a backward exchange, whatever it
+depends on; outside one, none (the pre-flight check names a rank that differentiates
+against a peer that does not).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mnjax.comm import _sequence as sequence
+from mnjax.functions import _checks as checks
+
+__all__ = ["anchor", "apply", "differentiable", "last_link", "link", "put", "scalar"]
+
+
+def scalar(value: Any) -> jax.Array:
+  """A float32 scalar computed from `value` (an exchange's result): the next ``after``.
+
+  Example:
+    >>> float(scalar(jnp.arange(3, 6)))
+    3.0
+  """
+  value = jnp.asarray(value)
+  if value.size == 0:
+    return jnp.zeros((), jnp.float32)
+  first = jnp.ravel(value)[0]
+  return (first.real if jnp.iscomplexobj(first) else first).astype(jnp.float32)
+
+
+class _Mine(threading.local):
+  """The last link an exchange of `mnjax.functions` put, and the recording it was put in."""
+
+  value: Any = None
+  log: Any = None
+
+
+_MINE = _Mine()
+
+GAP = (
+    "mnjax.functions: an exchange of this step was traced inside a trace that ended before"
+    " the next one (the body of a lax.scan, fori_loop, while_loop or cond, an inner jax.jit,"
+    " or jax.checkpoint), so nothing can order the next exchange after it, and a body that"
+    " runs several times would exchange more often than its peer expects. Call"
+    " mnjax.functions at the step's top level (a Python loop instead of lax.scan) or in the"
+    " functions jax.grad, jax.value_and_grad or jax.vjp differentiate")
+
+
+def _last(comm: Any) -> jax.Array | None:
+  """The usable last link; a gap left by an exchange of this step is refused (`GAP`)."""
+  last = sequence.ORDER.reachable()
+  log = sequence.current_recording()
+  if (last is None and _MINE.value is not None and sequence.ORDER.stale() is _MINE.value
+      and log is not None and _MINE.log is log):
+    _MINE.value = None  # refused once
+    checks.refuse(GAP, comm)
+  return last
+
+
+def link(comm: Any = None) -> jax.Array:
+  """The ``after`` operand for the next forward exchange over `comm`: the last in-step
+  collective's result, when this trace can use it (else a zero: the chain starts here),
+  never differentiated.
+
+  Example:
+    >>> link().shape, link().dtype
+    ((), dtype('float32'))
+  """
+  last = _last(comm)
+  return jax.lax.stop_gradient(scalar(last if last is not None else 0.0))
+
+
+def last_link(comm: Any = None) -> jax.Array:
+  """A float32 scalar computed from the chain's last link (every exchange of the step feeds
+  it), or a zero: `mnjax.functions.jit` returns it from the compiled step (a gap is
+  refused over `comm`).
+
+  Example:
+    >>> last_link().dtype
+    dtype('float32')
+  """
+  last = _last(comm)
+  return scalar(last if last is not None else 0.0)
+
+
+def put(value: Any) -> None:
+  """Makes `value` the chain's last link (the next collective of the step waits for it)."""
+  sequence.ORDER.put(value)
+  _MINE.value, _MINE.log = value, sequence.current_recording()
+
+
+def anchor() -> jax.Array:
+  """A float32 zero that ``jax.grad`` gives a tangent of its own (a fresh ``jax.new_ref``
+  read): an exchange that takes it gets a backward even when nothing it receives depends
+  on the differentiated inputs.
+
+  Example:
+    >>> float(anchor())
+    0.0
+  """
+  return jax.new_ref(jnp.zeros((), jnp.float32))[...]
+
+
+def differentiable(forward: Callable, backward: Callable, x: Any, comm: Any = None) -> Any:
+  """``forward(x, after)``, with ``backward(ct, after) -> (ct_x, done)`` as its derivative
+  under ``jax.grad``; both ordered in the step's chain. `x` may be None (a receive).
+
+  Example:
+    >>> double = lambda x, after: 2 * x
+    >>> twice_back = lambda ct, after: (2 * ct, ct)
+    >>> float(jax.grad(lambda x: differentiable(double, twice_back, x))(1.0))
+    2.0
+  """
+  y, out = _exchange(forward, backward, x, link(comm), anchor())
+  put(out)
+  return y
+
+
+def apply(forward: Callable, backward: Callable, x: Any, dtype: Any, comm: Any = None) -> Any:
+  """`differentiable` for an inexact `dtype` (the payload's); for any other, the forward
+  exchange alone (an integer array has no gradient, on either side of an exchange).
+
+  Example:
+    >>> int(apply(lambda x, after: x + 1, None, jnp.int32(1), jnp.int32))
+    2
+  """
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return differentiable(forward, backward, x, comm)
+  y = forward(x, link(comm))
+  put(y)
+  return y
+
+
+def _forward(forward, x, after):
+  y = forward(x, after)
+  return y, scalar(y)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _exchange(forward, backward, x, after, token):
+  del backward, token
+  return _forward(forward, x, after)
+
+
+def _exchange_fwd(forward, backward, x, after, token):
+  del backward, token
+  y, out = _forward(forward, x, after)
+  return (y, out), out
+
+
+def _exchange_bwd(forward, backward, out, cotangents):
+  del forward
+  ct_y, _ = cotangents
+  last = sequence.ORDER.reachable()  # the backward exchange traced before this one
+  after = out if last is None else out + 0 * scalar(last)
+  ct_x, done = backward(ct_y, after)
+  put(done)
+  zero = jnp.zeros((), jnp.float32)
+  return ct_x, zero, zero
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)

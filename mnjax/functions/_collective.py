@@ -1,0 +1,252 @@
+"""Differentiable collectives inside a jitted step: ChainerMN's bcast, gather, scatter,
+allgather and alltoall.
+
+Each is an exchange whose backward is its transpose, as ChainerMN's ``backward`` methods
+compute it: `bcast`'s gradients are summed to the root, `gather`'s are scattered back from
+it, `scatter`'s gathered to it, `allgather`'s go back through an all-to-all and are summed,
+`alltoall`'s through another all-to-all. Stacked values use a leading axis of size
+``comm.size`` (row ``i``: rank ``i``'s part). Ranks that are not the root of `bcast` or
+`scatter` pass an array or ``jax.ShapeDtypeStruct`` of the root's shape and dtype (its
+values are not read); a non-root rank's `gather` returns a delegate, as `send` does. On a
+size-1 communicator they are the plain array operations they reduce to.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mnjax.comm._communicator import Communicator
+from mnjax.comm._primitives import sum_dtype
+from mnjax.functions import _chain as chain
+from mnjax.functions import _checks as checks
+from mnjax.functions._transport import issue
+
+__all__ = ["allgather", "alltoall", "bcast", "gather", "scatter"]
+
+
+def bcast(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
+  """Rank `root`'s `x` on every rank of `comm`.
+
+  Backward: every rank's gradient is summed to the root's `x` (the other ranks' `x`, only
+  a shape, gets zero).
+
+  Args:
+    x: on the root, the array; elsewhere an array or ``jax.ShapeDtypeStruct`` of its shape
+      and dtype.
+    comm: the ``flat`` `Communicator`.
+    root: the rank whose `x` every rank gets.
+
+  Example:
+    >>> mnjax.functions.bcast(jnp.arange(3.0), comm, 0)
+    Array([0., 1., 2.], dtype=float32)
+  """
+  comm = checks.communicator(comm, "bcast")
+  spec, x = _operand(x, comm, root, "bcast")
+  if not checks.checked(root, comm, "root", "bcast", peer=False):
+    return jnp.zeros(spec.shape, spec.dtype)
+  if comm.size == 1:
+    return x
+  root = int(root)
+  x = x if comm.rank == root else _differentiable(x)
+  forward = functools.partial(_bcast, comm, root, spec)
+  backward = functools.partial(_bcast_backward, comm, root, spec, x is not None)
+  return chain.apply(forward, backward, x, spec.dtype, comm)
+
+
+def gather(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
+  """Every rank's `x` stacked on rank `root` (shape ``(comm.size, *x.shape)``); elsewhere a
+  delegate (a float32 zero scalar, as `send` returns).
+
+  Backward: the root's gradient rows go back to their ranks (ChainerMN: a scatter).
+
+  Example:
+    >>> mnjax.functions.gather(jnp.ones(2), comm, 0).shape
+    (1, 2)
+  """
+  comm = checks.communicator(comm, "gather")
+  x = checks.payload(x, "gather")
+  if not checks.checked(root, comm, "root", "gather", peer=False):
+    return (jnp.zeros((comm.size, *x.shape), x.dtype) if comm.rank == root
+            else jnp.zeros((), jnp.float32))
+  if comm.size == 1:
+    return x[None]
+  root = int(root)
+  forward = functools.partial(_gather, comm, root, "mnjax.functions.gather", "forward")
+  backward = functools.partial(_gather_backward, comm, root, x.shape, x.dtype)
+  return chain.apply(forward, backward, x, x.dtype, comm)
+
+
+def scatter(xs: Any, comm: Communicator, root: int = 0) -> jax.Array:
+  """Row ``comm.rank`` of rank `root`'s `xs` (leading axis of size ``comm.size``).
+
+  Backward: every rank's gradient is gathered into the root's `xs` (other ranks' `xs`,
+  only a shape, gets zero).
+
+  Args:
+    xs: on the root, the stacked array; elsewhere an array or ``jax.ShapeDtypeStruct`` of
+      its shape and dtype.
+    comm: the ``flat`` `Communicator`.
+    root: the rank whose rows are handed out.
+
+  Example:
+    >>> mnjax.functions.scatter(jnp.arange(2.0 * comm.size).reshape(comm.size, 2), comm, 0)
+    Array([0., 1.], dtype=float32)
+  """
+  comm = checks.communicator(comm, "scatter")
+  spec, xs = _operand(xs, comm, root, "scatter", name="xs")
+  rows = _rows(spec.shape, comm, "scatter", "xs")
+  if rows is None or not checks.checked(root, comm, "root", "scatter", peer=False):
+    return jnp.zeros(spec.shape[1:], spec.dtype)
+  if comm.size == 1:
+    return xs[0]
+  root = int(root)
+  xs = xs if comm.rank == root else _differentiable(xs)
+  forward = functools.partial(_scatter, comm, root, spec, "mnjax.functions.scatter", "forward")
+  backward = functools.partial(_scatter_backward, comm, root, spec, xs is not None)
+  return chain.apply(forward, backward, xs, spec.dtype, comm)
+
+
+def allgather(x: Any, comm: Communicator) -> jax.Array:
+  """Every rank's `x` stacked on every rank (shape ``(comm.size, *x.shape)``).
+
+  Backward: row ``j`` of every rank's gradient goes to rank ``j`` (an all-to-all), which
+  sums them.
+
+  Example:
+    >>> mnjax.functions.allgather(jnp.ones(2), comm).shape == (comm.size, 2)
+    True
+  """
+  comm = checks.communicator(comm, "allgather")
+  x = checks.payload(x, "allgather")
+  if comm.size == 1:
+    return x[None]
+  forward = functools.partial(_allgather, comm)
+  backward = functools.partial(_allgather_backward, comm)
+  return chain.apply(forward, backward, x, x.dtype, comm)
+
+
+def alltoall(xs: Any, comm: Communicator) -> jax.Array:
+  """Row ``j`` of `xs` goes to rank ``j``; row ``i`` of the result came from rank ``i``.
+
+  Backward: the gradient goes back through the same all-to-all.
+
+  Example:
+    >>> xs = jnp.arange(2.0 * comm.size).reshape(comm.size, 2)
+    >>> bool((mnjax.functions.alltoall(xs, comm)[comm.rank] == xs[comm.rank]).all())
+    True
+  """
+  comm = checks.communicator(comm, "alltoall")
+  xs = checks.payload(xs, "alltoall", "xs")
+  if _rows(xs.shape, comm, "alltoall", "xs") is None:
+    return jnp.zeros_like(xs)
+  if comm.size == 1:
+    return xs
+  forward = functools.partial(_alltoall, comm, "mnjax.functions.alltoall")
+  backward = functools.partial(_alltoall_backward, comm)
+  return chain.apply(forward, backward, xs, xs.dtype, comm)
+
+
+def _operand(x: Any, comm: Communicator, root: Any, caller: str,
+             name: str = "x") -> tuple[jax.ShapeDtypeStruct, jax.Array | None]:
+  """The shape every rank passes, and the root's array (None where only a shape came)."""
+  if comm.rank == root or isinstance(x, (jax.Array, list, tuple, float, int)) or hasattr(
+      x, "__array__"):
+    x = checks.payload(x, caller, name)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype), x
+  return checks.like_spec(x, caller, name), None
+
+
+def _differentiable(x: jax.Array | None) -> jax.Array | None:
+  """A non-root's array: only its shape counts (it gets a zero gradient), if any."""
+  return x if x is not None and jnp.issubdtype(x.dtype, jnp.inexact) else None
+
+
+def _rows(shape: tuple, comm: Communicator, caller: str, name: str) -> int | None:
+  """``comm.size``, or None (refused) when `shape`'s leading axis is not one row per rank."""
+  if shape and shape[0] == comm.size:
+    return comm.size
+  checks.refuse(f"mnjax.functions.{caller}: {name} must have a leading axis of one row per"
+                f" rank ({comm.size}), got shape {tuple(shape)}", comm)
+  return None
+
+
+def _note(shape: tuple, dtype: Any) -> tuple:
+  """A collective's sequence entry: every member notes the same shape and dtype."""
+  return ("collective", None, None, tuple(shape), str(jax.numpy.dtype(dtype)))
+
+
+def _bcast(comm, root, spec, x, after):
+  operand = x if comm.rank == root else jnp.zeros(spec.shape, spec.dtype)
+  label = f"mnjax.functions.bcast from root {root}"
+  return issue("bcast", comm, operand, after, shape=spec.shape, dtype=spec.dtype,
+               count=math.prod(spec.shape), label=label,
+               note=_note(spec.shape, spec.dtype), root=root)
+
+
+def _bcast_backward(comm, root, spec, had_x, ct, after):
+  wide = sum_dtype(spec.dtype)
+  label = f"mnjax.functions.bcast's backward (sum to root {root})"
+  shape = spec.shape if comm.rank == root else (1,)
+  total = issue("reduce", comm, ct.astype(wide), after, shape=shape, dtype=wide,
+                count=math.prod(spec.shape), label=label, note=_note(spec.shape, wide),
+                root=root, op=0)
+  if comm.rank == root:
+    return total.astype(spec.dtype), total
+  return (jnp.zeros(spec.shape, spec.dtype) if had_x else None), total
+
+
+def _gather(comm, root, label, phase, x, after):
+  del phase
+  shape = (comm.size, *x.shape) if comm.rank == root else (1,)
+  out = issue("gather", comm, x, after, shape=shape, dtype=x.dtype, count=x.size, label=label,
+              note=_note(x.shape, x.dtype), root=root)
+  return out if comm.rank == root else out.reshape(()).astype(jnp.float32)
+
+
+def _gather_backward(comm, root, shape, dtype, ct, after):
+  spec = jax.ShapeDtypeStruct((comm.size, *shape), dtype)
+  grad = _scatter(comm, root, spec, f"mnjax.functions.gather's backward (scatter from root"
+                  f" {root})", "gradient", ct if comm.rank == root else None, after)
+  return grad, grad
+
+
+def _scatter(comm, root, spec, label, phase, xs, after):
+  del phase
+  operand = xs if comm.rank == root else jnp.zeros((1,), spec.dtype)
+  row = spec.shape[1:]
+  return issue("scatter", comm, operand, after, shape=row, dtype=spec.dtype,
+               count=math.prod(row), label=label, note=_note(row, spec.dtype), root=root)
+
+
+def _scatter_backward(comm, root, spec, had_xs, ct, after):
+  grad = _gather(comm, root, f"mnjax.functions.scatter's backward (gather to root {root})",
+                 "gradient", ct, after)
+  if comm.rank == root:
+    return grad, grad
+  return (jnp.zeros(spec.shape, spec.dtype) if had_xs else None), grad
+
+
+def _allgather(comm, x, after):
+  label = "mnjax.functions.allgather"
+  return issue("allgather", comm, x, after, shape=(comm.size, *x.shape), dtype=x.dtype,
+               count=x.size, label=label, note=_note(x.shape, x.dtype))
+
+
+def _allgather_backward(comm, ct, after):
+  rows = _alltoall(comm, "mnjax.functions.allgather's backward (all-to-all)", ct, after)
+  return rows.astype(sum_dtype(ct.dtype)).sum(0).astype(ct.dtype), rows
+
+
+def _alltoall(comm, label, xs, after):
+  return issue("alltoall", comm, xs, after, shape=xs.shape, dtype=xs.dtype,
+               count=xs.size // comm.size, label=label, note=_note(xs.shape, xs.dtype))
+
+
+def _alltoall_backward(comm, ct, after):
+  grad = _alltoall(comm, "mnjax.functions.alltoall's backward", ct, after)
+  return grad, grad

@@ -1,0 +1,139 @@
+"""The one place where `mnjax.functions` issues an MPI exchange inside a traced step.
+
+Every exchange, forward or backward, goes through `issue`: it notes the exchange in the
+step's collective sequence (`mnjax.comm._sequence`, in the format the pairing check reads:
+`mnjax.guard._pairing.entry`) and binds `exchange_p`, one effect-free primitive that lowers
+to a side-effecting custom call of mnjax's CPU handlers (`mnjax.comm._native`: send, recv,
+bcast, gather, scatter, reduce, allgather, alltoall) with an ``after`` operand, as
+`mnjax.comm._primitives` does for the gradient buckets: the previous exchange's result, so
+that XLA runs them in the order they were traced (the order the pre-flight check verified).
+A hook that wants to see every exchange (a timeline) wraps `issue`.
+
+Only CPU devices: on GPUs the lowering refuses, naming the alternative (mpi4jax's CUDA
+handlers take tokens, not an ``after`` operand, for receives: nothing could order them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from jax import ffi
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+from mpi4py import MPI
+
+from mnjax.comm import _primitives as mpi_ops
+from mnjax.comm import _sequence as sequence
+from mnjax.comm._communicator import Communicator
+from mnjax.comm._compat import to_mpi_handle
+from mnjax.guard import _pairing as pairing
+
+__all__ = ["exchange_p", "issue", "peer_world", "world_group"]
+
+#: The attributes each handler reads besides ``count``, ``comm`` and ``dtype``.
+_TARGETS = {
+    "send": ("mnjax_mpi_send", ("peer", "tag")),
+    "recv": ("mnjax_mpi_recv", ("peer", "tag")),
+    "bcast": ("mnjax_mpi_bcast", ("root",)),
+    "gather": ("mnjax_mpi_gather", ("root",)),
+    "scatter": ("mnjax_mpi_scatter", ("root",)),
+    "reduce": ("mnjax_mpi_reduce", ("root", "op")),
+    "allgather": ("mnjax_mpi_allgather", ()),
+    "alltoall": ("mnjax_mpi_alltoall", ()),
+}
+
+
+def world_group(comm: Communicator) -> tuple[int, ...]:
+  """``MPI.COMM_WORLD`` ranks of `comm`'s ranks (what the pairing check compares).
+
+  Example:
+    >>> world_group(comm) == tuple(range(comm.size))
+    True
+  """
+  return pairing.world_ranks(comm.mpi_comm)
+
+
+def peer_world(comm: Communicator, rank: int) -> int:
+  """The ``MPI.COMM_WORLD`` rank of `comm`'s rank `rank`.
+
+  Example:
+    >>> peer_world(comm, 0)
+    0
+  """
+  return world_group(comm)[rank]
+
+
+def issue(exchange: str, comm: Communicator, payload: Any, after: Any, *, shape: tuple,
+          dtype: Any, count: int, label: str, note: tuple, wire: Any = None,
+          **attrs: int) -> Any:
+  """Notes and binds one exchange: `exchange` (a key of `_TARGETS`) of `payload` (None for a
+  receive) on ``comm.device_comm``, after `after`; the result has `shape` and `dtype`, the
+  messages carry `wire` items (default: `dtype`; a send's result is a float32 zero).
+
+  `count` is the number of items per message (per rank for the collectives), `note` the
+  ``(kind, peer, phase, shape, dtype)`` of its sequence entry (peer in `comm`'s ranks).
+
+  Example:
+    >>> def gathered(x):                                          # a size-1 allgather
+    ...   return mnjax.functions._transport.issue(
+    ...       "allgather", comm, x, jnp.zeros(()), shape=(1, 3), dtype=x.dtype, count=3,
+    ...       label="allgather", note=("collective", None, None, (3,), "float32"))
+    >>> jax.jit(gathered)(jnp.ones(3)).shape
+    (1, 3)
+  """
+  kind, peer, phase, note_shape, note_dtype = note
+  sequence.note_collective(
+      pairing.entry(label, kind, world_group(comm), phase=phase,
+                    peer=None if peer is None else peer_world(comm, peer)),
+      note_shape, note_dtype)
+  target, names = _TARGETS[exchange]
+  operands = () if payload is None else (payload,)
+  params = tuple((name, int(attrs[name])) for name in names)
+  return exchange_p.bind(*operands, mpi_ops.after_operand(after), target=target,
+                         comm_handle=int(to_mpi_handle(comm.device_comm)), attrs=params,
+                         count=int(count), shape=tuple(int(d) for d in shape),
+                         dtype=np.dtype(dtype), wire=np.dtype(dtype if wire is None else wire),
+                         aliased=exchange == "bcast")
+
+
+def _abstract(*operands, shape, dtype, **_):
+  del operands
+  return ShapedArray(shape, dtype)
+
+
+def _lower_cpu(ctx, *operands, target, comm_handle, attrs, count, shape, dtype, wire,
+               aliased):
+  del shape, dtype
+  mpi_ops._register_native()  # one registration for every handler
+  kw = {"operand_output_aliases": {0: 0}} if aliased else {}
+  lowering = ffi.ffi_lowering(target, has_side_effect=True, **kw)
+  values = dict(attrs)
+  if "op" in values:
+    values["op"] = int(to_mpi_handle(MPI.SUM))
+  attributes = {name: np.int64(v) for name, v in values.items()}
+  return lowering(ctx, *operands, count=np.int64(count), comm=np.int64(comm_handle),
+                  dtype=mpi_ops.mpi_datatype(wire), **attributes)
+
+
+def _lower_gpu(ctx, *operands, **params):
+  del ctx, operands
+  raise NotImplementedError(
+      f"mnjax.functions ({params['target']}): the in-step exchanges run on CPU devices (mnjax's"
+      " native MPI handlers); on GPUs no handler orders a receive after the previous"
+      " exchange. Run the model-parallel step on CPU devices, or exchange activations"
+      " between steps with host collectives.")
+
+
+def _no_differentiation(*args, **kwargs):
+  raise NotImplementedError(
+      "mnjax.functions' exchanges are differentiated through their own custom_vjp rules"
+      " (mnjax.functions.send, recv, bcast, ...); the raw primitive has no derivative.")
+
+
+exchange_p = Primitive("mnjax_exchange")
+exchange_p.def_abstract_eval(_abstract)
+mlir.register_lowering(exchange_p, _lower_cpu, platform="cpu")
+mlir.register_lowering(exchange_p, _lower_gpu, platform="cuda")
+ad.primitive_jvps[exchange_p] = _no_differentiation

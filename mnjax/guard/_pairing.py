@@ -1,0 +1,316 @@
+"""The pre-flight check of a model-parallel step: do every rank's sends and receives pair up?
+
+A data-parallel step is SPMD: every rank issues the same collectives, so comparing the
+ranks' sequences for equality (`mnjax.guard._preflight.check_collective_sequence`) is the
+whole check. A model-parallel step is not: rank 0 sends an activation that rank 1 receives,
+and under ``jax.grad`` rank 1 sends its gradient back. What must hold instead is that the
+ranks' sequences, run side by side, complete: each rank's next exchange finds its partner's
+next exchange waiting for it. `check_exchanges` decides that by running the sequences
+against each other (`_Run`), with MPI's strictest semantics: a send completes only when its
+peer's next exchange is the matching receive (same shape, dtype and direction: activation
+or gradient), a collective only when every member's next exchange is that collective. A
+program it accepts cannot deadlock whatever MPI's eager limit is; one it refuses is named on
+every rank (each has every sequence) before anything is exchanged: the first stuck
+exchange of each rank and what its partner does instead (wrong peer, shape, dtype, a send
+facing a send, a step that ends first).
+
+The exchanges note themselves in the step's collective sequence (`mnjax.comm._sequence`) as
+ordinary ``(what, shape, dtype)`` entries whose ``what`` ends in a tag `entry` writes and
+`parse` reads: ``<mnjax.functions send peer=1 phase=forward group=0,1>``, peers and groups
+in ``MPI.COMM_WORLD`` ranks so that exchanges over sub-communicators pair up in a step
+checked over another communicator. Entries without a tag (SyncBatchNorm layers, gradient
+buckets) are collectives over every rank of the checked communicator. A call refused while
+its step is traced (a peer outside the communicator, on one rank only) notes a ``refused``
+entry instead of raising there, so that every rank raises it together here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from mpi4py import MPI
+
+__all__ = ["ExchangeError", "check_exchanges", "describe_refusals", "entry", "has_refusal",
+           "involved", "parse", "refusal_error", "world_ranks"]
+
+_TAG = re.compile(
+    r" <mnjax\.functions (?P<kind>send|recv|collective|refused)"
+    r"(?: peer=(?P<peer>\d+))?(?: phase=(?P<phase>\w+))? group=(?P<group>[\d,]*)>$")
+_LIMIT = 4  # problems named in one message
+
+
+class ExchangeError(ValueError):
+  """The ranks' in-step exchanges would not complete: they do not pair up, or a call was
+  refused (a peer outside the communicator). Raised on every rank, before any exchange."""
+
+
+class Exchange(NamedTuple):
+  """One parsed entry of a rank's collective sequence."""
+
+  kind: str  # "send", "recv", "collective" or "refused"
+  label: str
+  peer: int | None  # a world rank (send / recv)
+  phase: str | None  # "forward" (activations) or "gradient"
+  group: tuple[int, ...]  # world ranks taking part (a collective's members; a pair)
+  shape: tuple
+  dtype: str
+
+
+def entry(label: str, kind: str, group: tuple[int, ...], *, peer: int | None = None,
+          phase: str | None = None) -> str:
+  """The ``what`` of a sequence entry for an exchange (world ranks).
+
+  Example:
+    >>> entry("mnjax.functions.send", "send", (0, 1), peer=1, phase="forward")
+    'mnjax.functions.send <mnjax.functions send peer=1 phase=forward group=0,1>'
+  """
+  fields = "".join([f" peer={peer}" if peer is not None else "",
+                    f" phase={phase}" if phase is not None else ""])
+  return f"{label} <mnjax.functions {kind}{fields} group={','.join(map(str, group))}>"
+
+
+def parse(what: str, shape: tuple, dtype: str) -> Exchange | None:
+  """The `Exchange` an entry describes, or None for an untagged one (an SPMD collective).
+
+  Example:
+    >>> parse(entry("recv", "recv", (0, 1), peer=0, phase="forward"), (3,), "float32").peer
+    0
+  """
+  found = _TAG.search(what)
+  if found is None:
+    return None
+  group = tuple(int(g) for g in found["group"].split(",") if g)
+  return Exchange(found["kind"], what[:found.start()], None if found["peer"] is None
+                  else int(found["peer"]), found["phase"], group, tuple(shape), dtype)
+
+
+_WORLD_RANKS: dict[int, tuple[int, ...]] = {}  # by communicator handle
+
+
+def _translate(comm: MPI.Comm) -> tuple[int, ...]:
+  group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+  try:
+    return tuple(int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.Get_size())),
+                                                            world))
+  finally:
+    group.Free()
+    world.Free()
+
+
+def world_ranks(mpi_comm: MPI.Comm) -> tuple[int, ...]:
+  """``MPI.COMM_WORLD`` rank of each rank of `mpi_comm` (local: no communication).
+
+  Example:
+    >>> world_ranks(comm.mpi_comm) == tuple(range(comm.size))
+    True
+  """
+  handle = int(MPI._handleof(mpi_comm))
+  if handle not in _WORLD_RANKS:
+    _WORLD_RANKS[handle] = _translate(mpi_comm)
+  return _WORLD_RANKS[handle]
+
+
+def involved(everyone: list[tuple]) -> bool:
+  """Whether any rank's sequence holds an `mnjax.functions` exchange.
+
+  Example:
+    >>> involved([(("allreduce_tree bucket 1 of 1", (3,), "float32"),)])
+    False
+  """
+  return any(_TAG.search(what) for seq in everyone for what, _, _ in seq)
+
+
+def check_exchanges(everyone: list[tuple], mpi_comm: MPI.Comm | None, *, caller: str,
+                    world: tuple[int, ...] | None = None) -> None:
+  """Raises `ExchangeError` (the same text on every rank) unless the ranks' sequences
+  (``everyone[r]``: rank ``r`` of `mpi_comm`) complete when run against each other.
+  `world`: the ``MPI.COMM_WORLD`` rank of each (default: `world_ranks` of `mpi_comm`).
+
+  Example:
+    >>> a = (entry("send", "send", (0, 1), peer=1, phase="forward"), (3,), "float32")
+    >>> b = (entry("recv", "recv", (0, 1), peer=0, phase="forward"), (3,), "float32")
+    >>> check_exchanges([(a,), (b,)], MPI.COMM_WORLD, caller="jit")  # pairs up
+    >>> b4 = (b[0], (4,), "float32")
+    >>> try:
+    ...   check_exchanges([(a,), (b4,)], MPI.COMM_WORLD, caller="jit")
+    ... except ExchangeError as e:
+    ...   print(str(e)[:54])
+    jit: the ranks' in-step exchanges do not pair up, so t
+  """
+  if world is None:
+    world = (world_ranks(mpi_comm) if len(everyone) == mpi_comm.Get_size()
+             else tuple(range(len(everyone))))
+  run = _Run(everyone, world)
+  refused = run.refused()
+  if refused:
+    raise ExchangeError(f"{caller}: an exchange of the step was refused while it was traced, so"
+                        " no rank runs it: " + "; ".join(refused) + ". Nothing was exchanged.")
+  problems = run.problems()
+  if problems:
+    raise ExchangeError(
+        f"{caller}: the ranks' in-step exchanges do not pair up, so the step would wait"
+        " forever in an exchange no rank answers (or receive unrelated bytes). "
+        + "; ".join(problems[:_LIMIT]) + ("; ..." if len(problems) > _LIMIT else "")
+        + ". Every mnjax.functions.send(x, comm, dest) needs an"
+        " mnjax.functions.recv(comm, source, like) on `dest`, with `like` of x's shape and"
+        " dtype, at the same place in both ranks' order of exchanges (a rank that sends"
+        " and receives on a ring must receive first on one side), and both ranks must call"
+        " them inside the functions they differentiate, or both outside. Nothing was"
+        " exchanged.")
+
+
+class _Run:
+  """The ranks' sequences run against each other, to the end or until no exchange can go."""
+
+  def __init__(self, everyone: list[tuple], world: tuple[int, ...]):
+    self.index = {w: r for r, w in enumerate(world)}
+    self.world = world
+    everyone_group = tuple(world)
+    self.seqs = [[parse(what, shape, dtype) or Exchange(
+        "collective", what, None, None, everyone_group, tuple(shape), dtype)
+        for what, shape, dtype in seq] for seq in everyone]
+    self.pos = [0] * len(everyone)
+
+  def head(self, r: int) -> Exchange | None:
+    seq = self.seqs[r]
+    return seq[self.pos[r]] if self.pos[r] < len(seq) else None
+
+  def rank(self, world_rank: int | None) -> int | None:
+    return self.index.get(world_rank)
+
+  def refused(self) -> list[str]:
+    return [f"rank {r}: {e.label}" for r, seq in enumerate(self.seqs) for e in seq
+            if e.kind == "refused"]
+
+  def problems(self) -> list[str]:
+    outside = self._outside()
+    if outside:
+      return outside
+    while self._advance():
+      pass
+    return [p for r in range(len(self.seqs)) if (p := self._stuck(r))]
+
+  def _outside(self) -> list[str]:
+    out = []
+    for r, seq in enumerate(self.seqs):
+      for e in seq:
+        strangers = [w for w in (*e.group, *(() if e.peer is None else (e.peer,)))
+                     if w not in self.index]
+        if strangers:
+          out.append(f"rank {r}'s {_show(e, self)} involves world rank(s) {strangers}, which"
+                     " the step's communicator does not hold: check the step over a"
+                     " communicator holding every rank it exchanges with")
+          break
+    return out
+
+  def _advance(self) -> bool:
+    moved = False
+    for r in range(len(self.seqs)):
+      e = self.head(r)
+      if e is None:
+        continue
+      if e.kind == "send":
+        q = self.rank(e.peer)
+        f = self.head(q)
+        if f is not None and _pairs(e, f, self.world[r]):
+          self.pos[r] += 1
+          self.pos[q] += 1
+          moved = True
+      elif e.kind == "collective":
+        members = [self.rank(w) for w in e.group]
+        if r in members and all(_same(self.head(m), e) for m in members):
+          for m in members:
+            self.pos[m] += 1
+          moved = True
+    return moved
+
+  def _stuck(self, r: int) -> str | None:
+    e = self.head(r)
+    if e is None:
+      return None
+    where = f"rank {r}'s exchange {self.pos[r] + 1} ({_show(e, self)})"
+    if e.kind == "collective":
+      members = [self.rank(w) for w in e.group]
+      if r not in members:
+        return f"{where} is over ranks {members}, which do not include rank {r}"
+      others = [f"rank {m} at {_at(self.head(m), self)}" for m in members
+                if not _same(self.head(m), e)]
+      return f"{where} waits for {', '.join(others)}"
+    q = self.rank(e.peer)
+    f = self.head(q)
+    if e.kind == "recv" and f is not None and f.kind == "send" and self.rank(f.peer) == r:
+      return None  # the sender's side says it
+    verb = "sends" if e.kind == "send" else "receives"
+    if f is None:
+      hint = (f" (a gradient: rank {q} has no backward for this exchange; it must run inside"
+              f" the function rank {q} differentiates, and its result must reach the loss:"
+              " use it, or mnjax.functions.pseudo_connect it)")
+      return (f"{where}: rank {r} {verb}, but rank {q}'s step has no exchange left"
+              + (hint if e.phase == "gradient" else ""))
+    if {e.kind, f.kind} == {"send", "recv"} and self.rank(f.peer) == r:
+      if e.phase != f.phase:
+        return (f"{where} meets rank {q}'s {_show(f, self)}: one is an activation, the"
+                " other a gradient (one rank differentiates through the exchange, the other"
+                " does not)")
+      return (f"{where} meets rank {q}'s {_show(f, self)}: the shapes or dtypes differ"
+              " (the receiver's `like` must have the sender's shape and dtype)")
+    if e.kind == "send" and f.kind == "send":
+      return (f"{where} while rank {q} sends too ({_show(f, self)}): both send first and"
+              " neither receives (a deadlock once messages pass MPI's eager limit); let"
+              " one of them receive first")
+    return f"{where}, but rank {q} is at {_at(f, self)}"
+
+
+def _pairs(send: Exchange, other: Exchange | None, sender_world: int) -> bool:
+  return (other is not None and other.kind == "recv" and other.peer == sender_world
+          and (other.shape, other.dtype, other.phase) == (send.shape, send.dtype, send.phase))
+
+
+def _same(e: Exchange | None, f: Exchange) -> bool:
+  return e is not None and e.kind == "collective" and e == f
+
+
+def _at(e: Exchange | None, run: _Run) -> str:
+  return "the end of its step" if e is None else _show(e, run)
+
+
+def _show(e: Exchange, run: _Run) -> str:
+  payload = f"{e.dtype}{list(e.shape)}"
+  if e.kind == "send":
+    return f"{e.label}: sends {e.phase} {payload} to rank {run.rank(e.peer)}"
+  if e.kind == "recv":
+    return f"{e.label}: receives {e.phase} {payload} from rank {run.rank(e.peer)}"
+  return f"{e.label} {payload}"
+
+
+def describe_refusals(sequence: tuple) -> list[str]:
+  """The refusals in one rank's own sequence (a call refused while its step was traced).
+
+  Example:
+    >>> describe_refusals(((entry("send: dest=5 is outside", "refused", ()), (), ""),))
+    ['send: dest=5 is outside']
+  """
+  return [e.label for what, shape, dtype in sequence
+          if (e := parse(what, shape, dtype)) is not None and e.kind == "refused"]
+
+
+def has_refusal(sequence: tuple) -> bool:
+  """Whether one rank's own sequence holds a refused call.
+
+  Example:
+    >>> has_refusal(())
+    False
+  """
+  return bool(describe_refusals(sequence))
+
+
+def refusal_error(sequence: tuple, *, caller: str) -> ExchangeError:
+  """The error for refusals that every rank noted alike (their sequences were equal).
+
+  Example:
+    >>> str(refusal_error(((entry("bad dest", "refused", ()), (), ""),), caller="jit"))[:18]
+    'jit: every rank: b'
+  """
+  return ExchangeError(f"{caller}: every rank: " + "; ".join(describe_refusals(sequence))
+                      + ". Nothing was exchanged.")
