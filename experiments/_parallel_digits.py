@@ -1,17 +1,21 @@
-"""What the model-parallel ports share: the digits as float batches in a fixed order, and
-the check that the ranks' parameters equal the single-process model's.
+"""What the model-parallel ports share: the digits as float batches in a fixed order, the
+loss, the single-process reference step, and the check that the ranks' parameters equal the
+single-process model's.
 
-Used by ``dual_parallel.py`` and ``channel_parallel.py`` (not a script).
+Used by ``model_parallel_mnist.py``, ``dual_parallel.py`` and ``channel_parallel.py`` (not a
+script).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from mpi4py import MPI
 
 import mnjax
@@ -48,6 +52,23 @@ def batches(n: int, args: argparse.Namespace) -> Iterator[np.ndarray]:
         return
       taken += 1
       yield order[start:start + args.batch_size]
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """The mean softmax cross-entropy over integer labels."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def reference_step(forward: Callable[[Any, jax.Array], jax.Array],
+                   tx: optax.GradientTransformation) -> Callable[..., tuple[Any, Any]]:
+  """The single-process model's jitted SGD step, ``(params, opt_state, x, y) -> (params,
+  opt_state)``, for ``forward(params, x) -> logits``: what each port is compared with."""
+  @jax.jit
+  def step(params, opt_state, x, y):
+    grads = jax.grad(lambda p: cross_entropy(forward(p, x), y))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return step
 
 
 def max_error(pairs: list[tuple[jax.Array, jax.Array]], comm: mnjax.Communicator) -> float:

@@ -54,9 +54,6 @@ class CNN(nn.Module):
     return nn.Dense(10, name="head")(x.reshape(len(x), -1))
 
 
-def cross_entropy(logits, labels):
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
 
 def main(argv=None) -> None:
   args = common.parser(__doc__.splitlines()[0], epochs=2, batch_size=64,
@@ -74,7 +71,7 @@ def main(argv=None) -> None:
   opt_state = tx.init(params)
 
   def step(params, opt_state, x, y):
-    grads = jax.grad(lambda p: cross_entropy(model.apply({"params": p}, x), y))(params)
+    grads = jax.grad(lambda p: common.cross_entropy(model.apply({"params": p}, x), y))(params)
     grads = {k: g if k == "head" else slice_grads(g, comm) for k, g in grads.items()}
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -88,11 +85,7 @@ def main(argv=None) -> None:
   plain = CNN()
   ref_state = tx.init(reference)
 
-  @jax.jit
-  def ref_step(params, opt_state, x, y):
-    grads = jax.grad(lambda p: cross_entropy(plain.apply({"params": p}, x), y))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  ref_step = common.reference_step(lambda p, x: plain.apply({"params": p}, x), tx)
 
   steps = 0
   for idx in common.batches(len(images), args):

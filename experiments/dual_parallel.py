@@ -59,9 +59,6 @@ class Output(nn.Module):
     return y
 
 
-def cross_entropy(logits, labels):
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
 
 def main(argv=None) -> None:
   p = common.parser(__doc__.splitlines()[0], epochs=20)
@@ -93,7 +90,7 @@ def main(argv=None) -> None:
   # allreduce runs over the data communicator. (One step checked over `comm` is refused:
   # the pairing check reads data_comm's allreduce as one over every rank of `comm`.)
   grad = mnjax.functions.jit(
-      lambda p, x, y: jax.grad(chain.loss)(p, x, y, cross_entropy), model_comm)
+      lambda p, x, y: jax.grad(chain.loss)(p, x, y, common.cross_entropy), model_comm)
 
   @jax.jit
   def update(params, opt_state, grads):
@@ -108,11 +105,7 @@ def main(argv=None) -> None:
   ref_tx = chain.optimizer(optax.adam(args.learning_rate), every_stage=True)
   ref_state = ref_tx.init(reference)
 
-  @jax.jit
-  def ref_step(params, opt_state, x, y):
-    grads = jax.grad(lambda p: cross_entropy(chain.apply_all(p, x), y))(params)
-    updates, opt_state = ref_tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  ref_step = common.reference_step(chain.apply_all, ref_tx)
 
   steps = 0
   for idx in common.batches(len(images), args):

@@ -54,9 +54,6 @@ def layers(params, names, h):
   return h
 
 
-def cross_entropy(logits, labels):
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
 
 def stage_steps(comm, names, units, batch, tx):
   """This rank's jitted train step and forward step (`mnjax.functions.jit`)."""
@@ -69,7 +66,7 @@ def stage_steps(comm, names, units, batch, tx):
       return F.pseudo_connect(delegate, F.recv(comm, size - 1, logits_like))
 
     def loss(params, x, y):
-      return cross_entropy(forward(params, x), y)
+      return common.cross_entropy(forward(params, x), y)
 
     def train(params, opt_state, x, y):
       value, grads = jax.value_and_grad(loss)(params, x, y)
@@ -111,11 +108,7 @@ def main(argv=None) -> None:
   # The single-process model: the whole MLP, the same batches, from the same start.
   reference, ref_state = start, tx.init(start)
 
-  @jax.jit
-  def ref_step(params, opt_state, x, y):
-    grads = jax.grad(lambda p: cross_entropy(model.apply({"params": p}, x), y))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  ref_step = common.reference_step(lambda p, x: model.apply({"params": p}, x), tx)
 
   steps = 0
   for idx in common.batches(len(images), args):
