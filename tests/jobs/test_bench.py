@@ -4,6 +4,7 @@ speed goals are judged by running `python -m mnjax.bench step`, not by timed tes
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from support.launch import REPO
@@ -26,13 +27,20 @@ def run_bench(name, args, tmp_path):
 
 
 def test_step_benchmark_smoke(tmp_path):
-  stdout, data = run_bench("step", ["--rounds", "1", "--steps", "2"], tmp_path)
+  stdout, data = run_bench("step", ["--rounds", "1", "--steps", "2", "--timeline",
+                                    str(tmp_path / "step_timeline.json")], tmp_path)
   assert set(data["size1"]["seconds_per_step"]) == {"plain_optax", "mnjax_size1"}
   assert data["multi"]["ranks"] == 2
   assert set(data["multi"]["images_per_second"]) == {
       "no_communication", "allreduce", "allreduce_bf16_wire", "allreduce_buckets_64kB",
-      "allreduce_leaving_early", "allreduce_double_buffering", "naive_mpi4jax"}
+      "allreduce_leaving_early", "allreduce_double_buffering", "allreduce_timeline",
+      "naive_mpi4jax"}
   assert all(v > 0 for v in data["multi"]["images_per_second"].values())
+  # The timeline variant's cost, and its trace: valid JSON holding the variant's collectives.
+  assert data["multi"]["timeline_overhead"] > 0
+  events = json.loads(Path(data["multi"]["timeline"]).read_text())["traceEvents"]
+  assert any(e.get("ph") == "X" and e.get("args", {}).get("op") == "bucket allreduce"
+             and e["args"]["bytes"] > 0 for e in events)
   assert "efficiency" in stdout
 
 
