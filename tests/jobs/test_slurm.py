@@ -240,6 +240,15 @@ def test_usr1_from_slurm_checkpoints_the_job_and_resume_finishes(cluster, tmp_pa
   assert rc == 0 and f"(step {found.group(1)})" in out, out[-5000:]
 
 
+def wait_for_an_empty_queue(cluster, seconds=120):
+  """Until no job is queued or completing (the earlier tests' jobs hold the nodes until
+  their processes are gone): a job submitted before then may wait for the scheduler."""
+  deadline = time.monotonic() + seconds
+  while slurm(cluster, "squeue", "--noheader").strip():  # pending, running, completing
+    assert time.monotonic() < deadline, slurm(cluster, "squeue")
+    time.sleep(0.5)
+
+
 def test_the_timed_usr1_of_the_example_script_checkpoints_before_the_limit(cluster, tmp_path):
   # scripts/train.sbatch asks for USR1 120 s before the time limit (--signal=USR1@120).
   # slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends the signal at the
@@ -247,11 +256,17 @@ def test_the_timed_usr1_of_the_example_script_checkpoints_before_the_limit(clust
   # opens once the job trains: the limit is then cut to end 1-2 min from now, so the next
   # check (at most 30 s later) sends USR1 to the tasks, well before the limit's SIGTERM.
   workdir, log = tmp_path / "run", tmp_path / "job.out"
+  wait_for_an_empty_queue(cluster)
   job = slurm(cluster, "sbatch", "--parsable", "--no-requeue", "--time=10", "-N", "2",
               "--ntasks-per-node=1", f"--output={log}", "scripts/train.sbatch", "--epochs",
               "200", "--checkpoint_every", "0", "--workdir", str(workdir)).strip()
   try:
-    wait_for_epoch(workdir, None)
+    try:
+      wait_for_epoch(workdir, None)
+    except AssertionError as e:  # say why: pending (and its reason) or running without output
+      tail = log.read_text()[-3000:] if log.exists() else "(no job log)"
+      shown = slurm(cluster, "scontrol", "show", "job", job)
+      raise AssertionError(f"{e}\n{shown}\n{tail}") from None
     shown = slurm(cluster, "scontrol", "show", "job", job)
     run = [int(x) for x in re.search(r"RunTime=(\S+)", shown).group(1).split(":")]
     minutes = -(-(run[-3] * 3600 + run[-2] * 60 + run[-1]) // 60) + 1   # ends in 60-120 s
