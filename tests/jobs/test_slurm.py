@@ -249,6 +249,12 @@ def wait_for_an_empty_queue(cluster, seconds=120):
     time.sleep(0.5)
 
 
+# More epochs than any machine trains before the cut limit ends the job (a digits epoch takes
+# 0.1 s on a quiet CI machine: 200 epochs finished before the signal came): the job must still
+# be training when USR1 arrives, and the limit (1-2 min) ends it if the signal never does.
+LONG_EPOCHS = 100_000
+
+
 def test_the_timed_usr1_of_the_example_script_checkpoints_before_the_limit(cluster, tmp_path):
   # scripts/train.sbatch asks for USR1 120 s before the time limit (--signal=USR1@120).
   # slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends the signal at the
@@ -259,7 +265,8 @@ def test_the_timed_usr1_of_the_example_script_checkpoints_before_the_limit(clust
   wait_for_an_empty_queue(cluster)
   job = slurm(cluster, "sbatch", "--parsable", "--no-requeue", "--time=10", "-N", "2",
               "--ntasks-per-node=1", f"--output={log}", "scripts/train.sbatch", "--epochs",
-              "200", "--checkpoint_every", "0", "--workdir", str(workdir)).strip()
+              str(LONG_EPOCHS), "--checkpoint_every", "0", "--workdir",
+              str(workdir)).strip()
   try:
     try:
       wait_for_epoch(workdir, None)
