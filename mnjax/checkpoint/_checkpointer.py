@@ -16,7 +16,7 @@ orbax-checkpoint, and restores it exactly:
   killed half-way is never listed, never loaded. The last ``keep`` checkpoints are kept; an
   older one is deleted only once the newer one is on disk (orbax would delete it even when
   the newer write fails, leaving none with ``keep=1``).
-- **Verified.** Each checkpoint carries a BLAKE2b digest per leaf (`mnjax.comm._digest`).
+- **Verified.** Each checkpoint carries a BLAKE2b digest per leaf (`mnjax.checkpoint._verify`).
   A checkpoint that does not read back, or whose bytes no longer match (truncated,
   flipped), is reported and skipped in favour of the previous one; if none is readable,
   restore fails saying so (`CorruptCheckpointError`). It is never loaded silently. An intact
@@ -34,22 +34,28 @@ orbax-checkpoint, and restores it exactly:
 Saving is asynchronous by default: rank 0 copies the state to host memory and orbax writes
 it in the background while training goes on. The next `save`, `wait` or `close` checks that
 the write reached the disk (orbax only logs a failed background write) and raises
-`CheckpointSaveError` on every rank if it did not.
+`CheckpointSaveError` on every rank if it did not. Rank 0's dealings with orbax (writes,
+their check, pruning, reading the newest intact step) are `mnjax.checkpoint._store`'s; the
+errors are in `mnjax.checkpoint._errors`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 from typing import Any
 
 import jax
-import numpy as np
 
 from mnjax.checkpoint import _own_state as own
 from mnjax.checkpoint import _per_rank as per_rank
 from mnjax.checkpoint import _sharded as sharded
+from mnjax.checkpoint import _verify as verify
+from mnjax.checkpoint._errors import (
+    CheckpointSaveError,
+    CheckpointTemplateError,
+    CorruptCheckpointError,
+)
+from mnjax.checkpoint._store import OrbaxStore
 from mnjax.checkpoint._template import (
     like,
     signature,
@@ -59,35 +65,10 @@ from mnjax.checkpoint._template import (
     to_host,
 )
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._digest import compare_digests, tree_digests
 from mnjax.comm._host import broadcast
 
 __all__ = ["CheckpointSaveError", "CheckpointTemplateError", "Checkpointer",
            "CorruptCheckpointError"]
-
-
-class CorruptCheckpointError(RuntimeError):
-  """No checkpoint in the directory could be read back intact."""
-
-
-class CheckpointTemplateError(ValueError):
-  """An intact checkpoint holds another tree than the template it is restored into."""
-
-
-class CheckpointSaveError(RuntimeError):
-  """A checkpoint could not be written (raised on every rank)."""
-
-
-def _digests(tree: Any) -> dict[str, str]:
-  """``{leaf path: 128-bit digest}`` of a host tree, as saved in each checkpoint's record."""
-  return {path: digest for path, (digest,) in tree_digests(tree, digest_size=16).items()}
-
-
-def _damaged(saved: dict[str, str], state: Any) -> list[str]:
-  """The leaves of `state` (read back) whose digest is not the one `saved` with it."""
-  # Older records name the one leaf of a state that is a bare array '' rather than '<root>'.
-  saved = {path or "<root>": [digest] for path, digest in saved.items()}
-  return list(compare_digests(saved, tree_digests(state, digest_size=16)))
 
 
 class Checkpointer:
@@ -124,21 +105,9 @@ class Checkpointer:
     self.settings = dict(settings or {})
     self.keep = keep
     self._async = async_save
-    self._manager = None
-    self._pending: int | None = None  # rank 0: the step whose write is not yet checked
+    self._store: OrbaxStore | None = None  # rank 0 only: the other ranks never touch it
     if comm.is_root:
-      import orbax.checkpoint as ocp  # noqa: PLC0415 (heavy; rank 0 only)
-
-      # Under jax.distributed (kind 'xla') orbax would wait for every process: rank 0 alone.
-      multiprocessing = (ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
-                         if jax.process_count() > 1 else ocp.options.MultiprocessingOptions())
-      os.makedirs(self.directory, exist_ok=True)
-      self._ocp = ocp
-      self._manager = ocp.CheckpointManager(
-          self.directory,
-          options=ocp.CheckpointManagerOptions(
-              max_to_keep=None, create=False, enable_async_checkpointing=async_save,
-              cleanup_tmp_directories=True, multiprocessing_options=multiprocessing))
+      self._store = OrbaxStore(self.directory, keep=keep, async_save=async_save)
 
   # -- save ----------------------------------------------------------------------------------
 
@@ -174,8 +143,8 @@ class Checkpointer:
     wholes = sharded.gather(self.comm, state)  # every rank: the shares go to rank 0
     parts = own.gather(self.comm, state, to_host)  # every rank: its own parts go to rank 0
     problem = None
-    if self._manager is not None:
-      problem = self._finish_pending()
+    if self._store is not None:
+      problem = self._store.finish_pending()
       if problem is None:
         try:
           self._start(step, state, wholes, parts, meta)
@@ -183,7 +152,7 @@ class Checkpointer:
           problem = (f"checkpoint {step} could not be started: {type(error).__name__}:"
                      f" {str(error)[:500]}")
         else:
-          problem = None if self._async else self._finish_pending()
+          problem = None if self._async else self._store.finish_pending()
     self._raise_on_every_rank(problem)
 
   def _start(self, step: int, state: Any, wholes: list[Any], parts: list[Any],
@@ -193,44 +162,9 @@ class Checkpointer:
     every rank's part of each `PerRankState` (`own.gather`)."""
     host = own.expand(sharded.host_tree(state, wholes, to_host), parts)
     record = {"step": step, "meta": meta or {}, "settings": self.settings,
-              "digests": _digests(host), "signature": signature(host),
+              "digests": verify.record_digests(host), "signature": signature(host),
               "structure": structure(host)}
-    args = self._ocp.args
-    if step in self._manager.all_steps():  # an earlier attempt's (e.g. one skipped as damaged)
-      self._manager.delete(step)
-    # force: orbax would otherwise skip, without a word, any step not newer than its latest.
-    self._manager.save(step, force=True, args=args.Composite(
-        state=args.StandardSave(host), record=args.JsonSave(record)))
-    self._pending = step
-
-  def _finish_pending(self) -> str | None:
-    """Rank 0: waits for the pending write; what went wrong with it, or None."""
-    step, self._pending = self._pending, None
-    try:
-      self._manager.wait_until_finished()
-      self._manager.check_for_errors()
-    except Exception as error:  # noqa: BLE001 (reported on every rank by the caller)
-      cause = f"{type(error).__name__}: {str(error)[:500]}"
-    else:
-      if step is None:
-        return None
-      if os.path.isdir(os.path.join(self.directory, str(step))):
-        return self._prune(step)
-      # Orbax logs a failed background write (a full disk, say) and carries on.
-      cause = "the background write did not complete (orbax logged the cause on stderr)"
-    with contextlib.suppress(Exception):  # this error is the one to report
-      self._manager.reload()  # forget the step orbax listed but never published
-    return f"{'a checkpoint' if step is None else f'checkpoint {step}'} was not written: {cause}"
-
-  def _prune(self, step: int) -> str | None:
-    """Rank 0: deletes all but the newest ``keep`` checkpoints (`step` is on disk)."""
-    try:
-      for old in sorted(self._manager.all_steps())[:-self.keep]:
-        self._manager.delete(old)
-    except Exception as error:  # noqa: BLE001 (reported on every rank by the caller)
-      return (f"checkpoint {step} is on disk, but deleting an older one failed:"
-              f" {type(error).__name__}: {str(error)[:500]}")
-    return None
+    self._store.write(step, host, record)
 
   def _raise_on_every_rank(self, problem: str | None) -> None:
     """Rank 0's `problem` (a failed write) as `CheckpointSaveError` on every rank."""
@@ -252,7 +186,7 @@ class Checkpointer:
     Raises:
       CheckpointSaveError: on every rank, when that write failed.
     """
-    self._raise_on_every_rank(self._finish_pending() if self._manager is not None else None)
+    self._raise_on_every_rank(self._store.finish_pending() if self._store is not None else None)
 
   def close(self) -> None:
     """Waits for the last write (as `wait`: collective, raises on every rank if it failed)
@@ -264,13 +198,10 @@ class Checkpointer:
 
   def _release(self) -> None:
     """Rank 0, no collective: waits for orbax and closes it; a failure goes to stderr."""
-    if self._manager is None:
+    if self._store is None:
       return
-    problem = self._finish_pending()
-    if problem is not None:
-      sys.stderr.write(f"mnjax.Checkpointer: {problem}\n")
-    self._manager.close()
-    self._manager = None
+    self._store.close()
+    self._store = None
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -286,7 +217,7 @@ class Checkpointer:
 
   def steps(self) -> list[int]:
     """The complete checkpoints rank 0 sees, oldest first (collective)."""
-    steps = sorted(self._manager.all_steps()) if self._manager is not None else None
+    steps = self._store.steps() if self._store is not None else None
     return self.comm.mpi_comm.bcast(steps, root=0) if self.comm.size > 1 else steps
 
   def restore(self, template: Any) -> tuple[int, Any, dict] | None:
@@ -325,8 +256,8 @@ class Checkpointer:
     shards, template = template, sharded.whole_template(template)  # as written on disk
     outcome: Any = None
     state = None
-    if self._manager is not None:
-      outcome, state = self._restore_newest(template)
+    if self._store is not None:
+      outcome, state = self._store.newest(template)
     outcome = self.comm.mpi_comm.bcast(outcome, root=0) if self.comm.size > 1 else outcome
     if isinstance(outcome, str):
       raise CorruptCheckpointError(outcome)
@@ -384,47 +315,3 @@ class Checkpointer:
           " Nothing was loaded and the checkpoint is untouched. Pass a template built like"
           " the saved state (the model, optimizer and state layout of the run that saved"
           " it), or start the new run in another directory.")
-
-  def _restore_newest(self, template: Any) -> tuple[Any, Any]:
-    """Rank 0: (record, state) of the newest intact step; (None, None) with no steps,
-    (message, None) when every step is damaged, or (record, None) when the newest readable
-    record does not match `template` (`restore` then raises `CheckpointTemplateError`)."""
-    steps = sorted(self._manager.all_steps(), reverse=True)
-    problems = []
-    args = self._ocp.args
-
-    def skip(step: int, error: Exception) -> None:
-      problems.append(f"step {step}: {type(error).__name__}: {str(error)[:300]}")
-      sys.stderr.write(f"mnjax.Checkpointer: skipping checkpoint {self.directory}/{step}:"
-                       f" {problems[-1]}\n")
-
-    for step in steps:
-      try:
-        record = self._manager.restore(step, args=args.Composite(
-            record=args.JsonRestore()))["record"]
-        if record.get("step") != step:
-          raise ValueError(f"its record names step {record.get('step')}")
-        different = template_difference(record, template)
-      except Exception as error:  # noqa: BLE001 (any read failure means: do not load it)
-        skip(step, error)
-        continue
-      if different:  # not damage: no fallback past it
-        return record, None
-      try:
-        buffers = target(template, record["signature"])
-        state = self._manager.restore(step, args=args.Composite(
-            state=args.StandardRestore(buffers)))["state"]
-        state = jax.tree.map(np.asarray, state)
-        bad = _damaged(record["digests"], state)
-        if bad:
-          raise ValueError(f"its bytes do not match the digests saved with it (leaves {bad[:5]})")
-      except Exception as error:  # noqa: BLE001 (any read failure means: do not load it)
-        skip(step, error)
-        continue
-      return record, state
-    if not steps:
-      return None, None
-    return (f"Checkpointer.restore: none of the {len(steps)} checkpoints in {self.directory}"
-            f" reads back intact: {'; '.join(problems)}. Nothing was loaded. Restore a copy"
-            " of the directory, or move it away to start from scratch."), None
-

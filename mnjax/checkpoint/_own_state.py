@@ -7,9 +7,10 @@ multi-node model is the opposite case: rank 1 holds stage 1 and nothing else, so
 is not a replica of anything. Wrapping it in `PerRankState` says so:
 
 * **save**: every rank sends its `PerRankState` s' leaves to rank 0 (point-to-point, one
-  message per leaf, after one allgather of their signatures), and rank 0 writes them in the
-  same checkpoint as the replicated state, as ``{"rank_0": ..., "rank_1": ...}`` in the
-  node's place. One checkpoint holds every rank's stage, so a step is complete for all ranks
+  message per leaf, or more for a leaf larger than one MPI call can count: the pieces of
+  `mnjax.collectives._transport`; after one gather of their signatures), and rank 0 writes
+  them in the same checkpoint as the replicated state, as ``{"rank_0": ..., "rank_1": ...}``
+  in the node's place. One checkpoint holds every rank's stage, so a step is complete for all ranks
   or for none (no rank resumes from a step another rank never wrote), and the usual digests
   cover every stage;
 * **restore**: the template's `PerRankState` s give every rank's shapes (one allgather), rank
@@ -31,9 +32,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from mnjax.checkpoint._rank_nodes import check_on_every_rank, find
 from mnjax.checkpoint._template import is_key
+from mnjax.collectives import _transport as transport
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._host import gather_if_different
 from mnjax.optim._shard_state import ShardedState
 
 __all__ = ["PerRankState", "check", "expand", "gather", "pick", "whole_template"]
@@ -87,8 +89,7 @@ def _is_own(x: Any) -> bool:
 
 def _nodes(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
   """``[(path, leaf or PerRankState)]`` and the tree's structure above them."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_own)
-  return [(jax.tree_util.keystr(path), x) for path, x in flat], treedef
+  return find(tree, PerRankState)
 
 
 def _describe(inner: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
@@ -105,56 +106,59 @@ def check(comm: Communicator, tree: Any, caller: str) -> str | None:
   when nothing is): each must be this rank's (``rank == comm.rank``, ``size == comm.size``),
   hold no `ShardedState`, and sit at the same paths on every rank. Collective (one small
   allgather when the ranks agree)."""
-  nodes = [(path, x) for path, x in _nodes(tree)[0] if _is_own(x)]
-  mine = None
-  for path, x in nodes:
+
+  def complaint(path: str, x: PerRankState) -> str | None:
     if (x.rank, x.size) != (comm.rank, comm.size):
-      mine = (f"the PerRankState at {path or '<root>'} is rank {x.rank}'s of {x.size}, but"
-              f" the communicator is rank {comm.rank} of {comm.size}: build it with"
+      return (f"the PerRankState at {path} is rank {x.rank}'s of {x.size}, but the"
+              f" communicator is rank {comm.rank} of {comm.size}: build it with"
               " PerRankState(inner, comm) for this communicator")
-    elif any(isinstance(y, ShardedState) for y in jax.tree.leaves(
+    if any(isinstance(y, ShardedState) for y in jax.tree.leaves(
         x.inner, is_leaf=lambda y: isinstance(y, ShardedState))):
-      mine = (f"the PerRankState at {path or '<root>'} holds a shard_optimizer state; a"
-              " ShardedState is already saved per rank: keep it outside the PerRankState")
-    if mine:
-      break
-  paths = [path for path, _ in nodes]
-  everyone = (gather_if_different(comm, (paths, mine), what=f"{caller}'s per-rank state")
-              if comm.size > 1 else None)
-  if everyone is None:
-    return None if mine is None else f"{caller}: {mine}."
-  problems = [(rank, text) for rank, (_, text) in enumerate(everyone) if text]
-  if problems:
-    return f"{caller}: on rank {problems[0][0]}, {problems[0][1]}."
-  differing = next(rank for rank, (p, _) in enumerate(everyone) if p != everyone[0][0])
-  return (f"{caller}: the ranks hold PerRankState s at different paths: rank 0"
-          f" {everyone[0][0]}, rank {differing} {everyone[differing][0]}. Every rank must"
-          " pass a tree with a PerRankState at the same paths (its contents may differ).")
+      return (f"the PerRankState at {path} holds a shard_optimizer state; a ShardedState is"
+              " already saved per rank: keep it outside the PerRankState")
+    return None
+
+  return check_on_every_rank(
+      comm, tree, PerRankState, caller, "per-rank state", complaint=complaint,
+      described=lambda nodes: [path for path, _ in nodes],
+      problem=lambda problems: f"on rank {problems[0][0]}, {problems[0][1]}",
+      mismatch=lambda first, rank, theirs: (
+          f"the ranks hold PerRankState s at different paths: rank 0 {first}, rank {rank}"
+          f" {theirs}. Every rank must pass a tree with a PerRankState at the same paths (its"
+          " contents may differ)."))
 
 
 def gather(comm: Communicator, tree: Any, to_host: Callable[[Any], Any]) -> list[list[Any]] | None:
   """Rank 0: for each `PerRankState` of `tree` (flattening order), every rank's `inner` as a
-  host tree (``[node][rank]``); None elsewhere. Collective: one allgather of the signatures,
-  then one message per leaf to rank 0 (`check` first, so that every rank takes part)."""
+  host tree (``[node][rank]``); None elsewhere. Collective: one gather of the signatures
+  (and each sender's piece size), then one message per leaf to rank 0, in pieces of at most
+  `mnjax.collectives._transport.MAX_MESSAGE_BYTES` (`check` first, so that every rank takes
+  part)."""
   inners = [jax.tree.map(to_host, x.inner) for _, x in _nodes(tree)[0] if _is_own(x)]
   if comm.size == 1:
     return [[inner] for inner in inners]
   mpi = comm.mpi_comm
-  described = mpi.gather([_describe(inner) for inner in inners], root=0)
+  limit = transport.MAX_MESSAGE_BYTES
+  described = mpi.gather((limit, [_describe(inner) for inner in inners]), root=0)
   if not comm.is_root:
     for inner in inners:
       for leaf in jax.tree.leaves(inner):
-        mpi.Send(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8), dest=0, tag=7)
+        payload = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+        for piece in transport.pieces(payload.size, limit):
+          mpi.Send(payload[piece], dest=0, tag=7)
     return None
   out = []
   for node, inner in enumerate(inners):
     parts = [inner]
     for rank in range(1, comm.size):
-      treedef, signature = described[rank][node]
+      limit, nodes = described[rank]  # the sender's pieces
+      treedef, signature = nodes[node]
       leaves = []
       for shape, dtype in signature:
         buffer = np.empty(shape, np.dtype(dtype))
-        mpi.Recv(buffer.reshape(-1).view(np.uint8), source=rank, tag=7)
+        payload = buffer.reshape(-1).view(np.uint8)
+        for piece in transport.pieces(payload.size, limit):
+          mpi.Recv(payload[piece], source=rank, tag=7)
         leaves.append(buffer)
       parts.append(jax.tree.unflatten(treedef, leaves))
     out.append(parts)

@@ -22,8 +22,9 @@ from typing import Any
 
 import jax
 
+from mnjax.checkpoint._rank_nodes import check_on_every_rank, find
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._host import gather_if_different, tree_signature
+from mnjax.comm._signature import tree_signature
 from mnjax.optim._shard_state import ShardedState, cut_like, gather_to_root, whole_like
 
 __all__ = ["check", "gather", "host_tree", "reshard", "whole_template"]
@@ -35,8 +36,7 @@ def _is_sharded(x: Any) -> bool:
 
 def _split(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
   """``[(path, leaf or ShardedState)]`` and the tree's structure above them."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharded)
-  return [(jax.tree_util.keystr(path), x) for path, x in flat], treedef
+  return find(tree, ShardedState)
 
 
 def check(comm: Communicator, tree: Any, caller: str) -> str | None:
@@ -44,30 +44,25 @@ def check(comm: Communicator, tree: Any, caller: str) -> str | None:
   rank (None when nothing is): each rank must hold its own share (``index == comm.rank``,
   ``parts == comm.size``) with a layout, and every rank the same sharded leaves at the same
   paths. Collective (one small allgather; more only on a mismatch)."""
-  nodes = [(path, x) for path, x in _split(tree)[0] if _is_sharded(x)]
-  mine = None
-  for path, x in nodes:
+
+  def complaint(path: str, x: ShardedState) -> str | None:
     if (x.index, x.parts) != (comm.rank, comm.size):
-      mine = (f"at {path or '<root>'} rank {comm.rank} holds share {x.index} of {x.parts},"
-              f" but the communicator is rank {comm.rank} of {comm.size}")
-    elif x.layout is None:
-      mine = (f"the ShardedState at {path or '<root>'} has no layout (it was not made by"
+      return (f"at {path} rank {comm.rank} holds share {x.index} of {x.parts}, but the"
+              f" communicator is rank {comm.rank} of {comm.size}")
+    if x.layout is None:
+      return (f"the ShardedState at {path} has no layout (it was not made by"
               " shard_optimizer's init or scatter_optimizer_state)")
-    if mine:
-      break
-  described = [(path, x.parts, x.layout, tree_signature(x.inner)) for path, x in nodes]
-  everyone = (gather_if_different(comm, (described, mine), what=f"{caller}'s sharded state")
-              if comm.size > 1 else None)
-  if everyone is None:
-    return None if mine is None else f"{caller}: {mine}."
-  problems = [(rank, text) for rank, (_, text) in enumerate(everyone) if text]
-  if problems:
-    return f"{caller}: {problems[0][1]} (and on {len(problems) - 1} more ranks)."
-  differing = [rank for rank, (d, _) in enumerate(everyone) if d != everyone[0][0]]
-  return (f"{caller}: the ranks hold different shard_optimizer states: rank 0"
-          f" {[p for p, *_ in everyone[0][0]]}, rank {differing[0]}"
-          f" {[p for p, *_ in everyone[differing[0]][0]]} (paths of the ShardedState s; or"
-          " their leaves differ). Every rank must pass the same tree.")
+    return None
+
+  return check_on_every_rank(
+      comm, tree, ShardedState, caller, "sharded state", complaint=complaint,
+      described=lambda nodes: [(path, x.parts, x.layout, tree_signature(x.inner))
+                               for path, x in nodes],
+      problem=lambda problems: f"{problems[0][1]} (and on {len(problems) - 1} more ranks)",
+      mismatch=lambda first, rank, theirs: (
+          f"the ranks hold different shard_optimizer states: rank 0 {[p for p, *_ in first]},"
+          f" rank {rank} {[p for p, *_ in theirs]} (paths of the ShardedState s; or their"
+          " leaves differ). Every rank must pass the same tree."))
 
 
 def gather(comm: Communicator, tree: Any) -> list[Any] | None:

@@ -12,7 +12,7 @@ from the same list (its sizes, its number of chunks), no two ranks can issue a d
 number of MPI calls.
 
 Cost: one allgather of a 16-byte hash when the descriptions are equal everywhere
-(`mnjax.comm._host.gather_if_different`, departure-aware: a rank that finished its program
+(`mnjax.comm._agreement.gather_if_different`, departure-aware: a rank that finished its program
 meanwhile is named, not waited for), plus one allgather of the small descriptions otherwise.
 """
 

@@ -10,7 +10,7 @@ issues the same number of calls.
 
 Point-to-point messages are a small pickled header (what follows: its kind, the sender's
 metadata, its size and the sender's piece size) sent synchronously, then the pieces. Both
-ends wait for the header departure-aware (`mnjax.comm._host.wait`): a peer that finished its
+ends wait for the header departure-aware (`mnjax.comm._wait.wait`): a peer that finished its
 program is named instead of waited for. Everything travels on ``comm.mpi_comm``, the
 communicator of mnjax's host collectives, never on the in-step ones.
 """

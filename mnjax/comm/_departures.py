@@ -6,7 +6,7 @@ and its peers wait for it in the next collective forever, printing nothing. So a
 exit every rank of a multi-process job sends each peer one small message (`announce`,
 registered by `mnjax.create_communicator`), on ``MPI_COMM_WORLD`` with a tag of its own
 (point-to-point: it never matches a collective). Whoever waits for the others in mnjax's
-host collectives and checks (`mnjax.comm._host.gather_if_different`, which they all use)
+host collectives and checks (`mnjax.comm._agreement.gather_if_different`, which they all use)
 looks for these messages while it waits (`departed`), and raises on every waiting rank
 naming the rank that left, instead of hanging. The stall watchdog does the same for the
 in-step collectives (`mnjax.Watchdog`). An uncaught exception sends nothing: it aborts the

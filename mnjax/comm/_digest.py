@@ -4,7 +4,7 @@ A digest is a BLAKE2b hash of one leaf's shape, dtype and bytes (~1 GB/s on one 
 Replica consensus (`mnjax.check_replicas`) compares every rank's digests with rank 0's, and
 `mnjax.Checkpointer` saves them with each checkpoint and compares them with what reads back.
 Both compare with `compare_digests`; `compare_across_ranks` is the host allgather of the
-first. Leaves are named by `mnjax.comm._host.leaf_paths`, like everywhere else.
+first. Leaves are named by `mnjax.comm._signature.leaf_paths`, like everywhere else.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 """Host-level collectives on pytrees, outside any trace: broadcast, exact sums, averages.
 
-The one home of what every host collective needs:
+`broadcast` (initial parameters, optimizer state, a restored checkpoint), `allreduce`
+(exact sums: integers as int64, floats as float64; under `mnjax.allreduce_metrics` and
+`mnjax.mean_metrics`) and `allreduce_persistent` (averaged running statistics), with the
+check that a tree's leaves are numbers (`check_numbers`). Each one first runs the agreement
+round of `mnjax.comm._agreement` (`check_same_tree`: the tree's containers, structure,
+shapes and dtypes, and the call's arguments, compared on every rank, so a wrong tree raises
+the same `ValueError` on every rank instead of corrupting memory or hanging), then moves
+fused numpy buffers, one per dtype (`mnjax.comm._fused`). Per-leaf digests (replica
+consensus, checkpoint verification) are in `mnjax.comm._digest`.
 
-* the *tree signature* ranks compare before anything moves (`tree_signature`; the
-  pre-flight check of `mnjax.allreduce_gradients` compares it too), and the comparison
-  (`gather_if_different`, `check_same_tree`): one allgather of a 16-byte hash, the full
-  signatures only on a mismatch, so a wrong tree raises the same `ValueError` on every rank
-  instead of corrupting memory or hanging;
-* fused numpy buffers, one per dtype (`fuse`, `split`, `reduce_arrays`): one MPI call per
-  dtype, not one per leaf.
-
-Built on them: `broadcast` (initial parameters, optimizer state, a restored checkpoint),
-`allreduce` (exact sums: integers as int64, floats as float64; under `mnjax.allreduce_metrics`
-and `mnjax.mean_metrics`) and `allreduce_persistent` (averaged running statistics). Per-leaf
-digests (replica consensus, checkpoint verification) are in `mnjax.comm._digest`.
+The pieces every host collective shares are re-exported here, where the other packages
+import them: the tree signature (`mnjax.comm._signature`), the agreement round
+(`mnjax.comm._agreement`), the departure-aware wait (`mnjax.comm._wait`) and the fused
+buffers (`mnjax.comm._fused`).
 
 Traffic is mpi4py on numpy buffers (mpi4py types them itself: raw bytes for `broadcast`),
 on ``comm.mpi_comm``, never on the in-step communicators (see `mnjax.comm._primitives`): a
@@ -23,229 +23,25 @@ host collective issued while a step still runs asynchronously is never matched w
 from __future__ import annotations
 
 import hashlib
-import re
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from mpi4py import MPI
 
-from mnjax.comm import _departures as departures
 from mnjax.comm import _recorder as recorder
+from mnjax.comm._agreement import check_same_tree, gather_if_different
 from mnjax.comm._buckets import group_by_dtype
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._fused import fuse, reduce_arrays, split
+from mnjax.comm._signature import leaf_paths, shares_in, tree_containers, tree_signature
+from mnjax.comm._wait import wait
 
 __all__ = [
     "allreduce", "allreduce_persistent", "broadcast", "check_numbers", "check_same_tree",
     "fuse", "gather_if_different", "is_number", "leaf_paths", "reduce_arrays", "shares_in",
     "split", "tree_containers", "tree_signature", "wait",
 ]
-
-_HASH_BYTES = 16
-
-#: The key `mnjax.optim.ShardedState` gives its one child (``.shard_<index>_of_<parts>``) so
-#: that tools for replicated trees can tell a rank's own share of the optimizer state.
-_SHARE_KEY = re.compile(r"\.shard_\d+_of_\d+")
-
-
-def leaf_paths(tree: Any) -> list[str]:
-  """Every leaf's path, in flattening order (``<root>`` for a tree that is one leaf).
-
-  Example:
-    >>> leaf_paths({"w": 1, "b": [2, 3]})
-    ["['b'][0]", "['b'][1]", "['w']"]
-  """
-  return [jax.tree_util.keystr(path) or "<root>"
-          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def shares_in(tree: Any) -> list[str]:
-  """The paths of the `mnjax.shard_optimizer` states (`mnjax.optim.ShardedState`) in `tree`,
-  each ending in its share's key: this rank's own share of the optimizer state, different
-  on every rank by design.
-
-  Example:
-    >>> state = {"opt": mnjax.shard_optimizer(comm, optax.adam(0.1)).init({"w": jnp.ones(3)})}
-    >>> shares_in(state), shares_in({"w": jnp.ones(3)})
-    (["['opt'].shard_0_of_1"], [])
-  """
-  found: list[str] = []
-  for path in leaf_paths(tree):
-    match = _SHARE_KEY.search(path)
-    if match and path[:match.end()] not in found:
-      found.append(path[:match.end()])
-  return found
-
-
-def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-  """``(leaf path, shape, dtype)`` for every leaf of `tree`, in flattening order.
-
-  What ranks must agree on before they exchange a tree. Works on concrete arrays and on
-  tracers (shape and dtype are static).
-
-  Example:
-    >>> tree_signature({"w": jnp.zeros((2, 3))})
-    (("['w']", (2, 3), 'float32'),)
-  """
-  return tuple(
-      (path, tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__)))
-      for path, leaf in zip(leaf_paths(tree), jax.tree_util.tree_leaves(tree))
-  )
-
-
-def gather_if_different(comm: Communicator, value: Any, *, timeout: float | None = None,
-                        timeout_message: str = "", what: str = "a host collective"
-                        ) -> list[Any] | None:
-  """None when every rank passed an equal `value`; otherwise every rank's value.
-
-  Collective over ``comm.mpi_comm``: one allgather of a 16-byte BLAKE2b hash of
-  ``repr(value)`` (so `value` needs a deterministic ``repr``); the values themselves travel
-  only on a mismatch, and every rank then gets the same list. With `timeout`, a rank that
-  waits longer for the others raises `TimeoutError` with `timeout_message`. A rank that
-  finished its program while the others wait here (`mnjax.comm._departures`) is a
-  `RuntimeError` on each of them, naming it and `what` they wait in.
-
-  Example:
-    >>> gather_if_different(comm, tree_signature({"w": np.zeros(3)})) is None  # same everywhere
-    True
-  """
-  if comm.size == 1:
-    return None
-  mine = np.frombuffer(
-      hashlib.blake2b(repr(value).encode(), digest_size=_HASH_BYTES).digest(), np.uint8)
-  everyone = np.empty((comm.size, _HASH_BYTES), np.uint8)
-  with recorder.host_span("pre-flight check", bytes=_HASH_BYTES):
-    _wait(comm, comm.mpi_comm.Iallgather(mine, everyone), timeout, timeout_message, what)
-  if (everyone == everyone[0]).all():
-    return None
-  return comm.mpi_comm.allgather(value)
-
-
-#: Seconds a rank keeps waiting after learning that a peer finished: the peer may have done
-#: its part of this very collective just before it left.
-DEPARTURE_GRACE = 2.0
-
-
-def wait(comm: Communicator, request: Any, what: str, *, peers: Sequence[int] | None = None,
-         timeout: float | None = None, timeout_message: str = "") -> None:
-  """Completes `request` (anything with MPI's ``Test()``) on ``comm.mpi_comm``; raises
-  `RuntimeError` naming a rank of `peers` (default: any rank) that finished its program
-  while this rank waits in `what`, and with `timeout`, `TimeoutError` (`timeout_message`).
-
-  Example:
-    >>> wait(comm, comm.mpi_comm.Ibarrier(), "a barrier")
-  """
-  _wait(comm, request, timeout, timeout_message, what, peers)
-
-
-def _wait(comm: Communicator, request: Any, timeout: float | None, timeout_message: str,
-          what: str, peers: Sequence[int] | None = None) -> None:
-  """Completes `request`, or raises on a timeout or on a peer that finished meanwhile."""
-
-  def departed() -> list[int]:
-    return [r for r in departures.departed(comm.mpi_comm) if peers is None or r in peers]
-
-  start = time.monotonic()
-  gone_since = None
-  while not request.Test():
-    now = time.monotonic()
-    if timeout is not None and now - start > timeout:
-      raise TimeoutError(timeout_message)
-    if gone_since is None and now - start > 0.05 and departed():
-      gone_since = now
-    if gone_since is not None and now - gone_since > DEPARTURE_GRACE:
-      gone = departed()
-      raise RuntimeError(
-          f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} finished"
-          f" {'their programs' if len(gone) > 1 else 'its program'} (exited normally) while"
-          f" the other ranks wait for every rank in {what}: the job cannot go on. The ranks"
-          " must run the same program (the same steps, the same calls of mnjax's"
-          " collectives and checks); look for a loop, a condition or a model that differs"
-          " between ranks.")
-    time.sleep(1e-3 if now - start < 1.0 else 1e-2)
-
-
-def tree_containers(tree: Any) -> tuple[tuple[str, str], ...]:
-  """``(path, container type)`` for every inner node of `tree`, outermost first.
-
-  What `tree_signature` cannot see: a list and a tuple (or a dict and a flax ``FrozenDict``)
-  give the same leaf paths. Types are named by module (but builtins) and qualified name only,
-  so the result is the same on every rank for the same tree.
-
-  Example:
-    >>> tree_containers({"b": [1, 2], "w": (3,)})
-    (('<root>', 'dict'), ("['b']", 'list'), ("['w']", 'tuple'))
-  """
-  out: list[tuple[str, str]] = []
-
-  def walk(node: Any, path: str) -> None:
-    data = jax.tree_util.tree_structure(node).node_data()
-    if data is None:  # a leaf
-      return
-    kind = data[0]
-    name = kind.__qualname__ if kind.__module__ == "builtins" else (
-        f"{kind.__module__}.{kind.__qualname__}")
-    out.append((path or "<root>", name))
-    children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
-    for keys, child in children:
-      walk(child, path + jax.tree_util.keystr(keys))
-
-  walk(tree, "")
-  return tuple(out)
-
-
-def check_same_tree(tree: Any, comm: Communicator, caller: str, *, root: int = 0,
-                    arguments: dict[str, Any] | None = None) -> None:
-  """Raises `ValueError` on every rank unless every rank passed a tree with the same
-  containers (`tree_containers`), structure, shapes and dtypes (`tree_signature`) as rank
-  `root`, and equal `arguments` (e.g. ``{"root": 0}``, compared by ``repr``): all in one
-  agreement round. Collective.
-
-  Example:
-    >>> check_same_tree({"mean": np.zeros(3)}, comm, "my_average")  # before moving it
-  """
-  arguments = {name: repr(value) for name, value in (arguments or {}).items()}
-  everyone = gather_if_different(comm, (arguments, tree_containers(tree), tree_signature(tree)),
-                                 what=f"{caller}'s check that every rank passed the same tree")
-  if everyone is None:
-    return
-  for name in arguments:
-    passed = [args[name] for args, _, _ in everyone]
-    if len(set(passed)) > 1:
-      listed = ", ".join(f"rank {rank} {name}={value}" for rank, value in enumerate(passed))
-      raise ValueError(
-          f"{caller}: every rank must pass the same {name}, but {listed}. Pass one value on"
-          f" every rank (e.g. a constant, not one computed from comm.rank); nothing was"
-          " exchanged.")
-  _, ref_containers, ref = everyone[root]
-  differing = [rank for rank, got in enumerate(everyone) if got[1:] != (ref_containers, ref)]
-  details = []
-  for rank in differing:
-    before = len(details)
-    _, containers, sig = everyone[rank]
-    kinds = next(((c, r) for c, r in zip(containers, ref_containers) if c != r), None)
-    if kinds is not None:
-      (path, kind), (rpath, rkind) = kinds
-      details.append(f"rank {rank} has a {kind} at {path} where rank {root} has a {rkind}"
-                     + (f" at {rpath}" if rpath != path else ""))
-    if len(sig) != len(ref):
-      details.append(f"rank {rank} has {len(sig)} leaves, rank {root} has {len(ref)}")
-    diff = next(((s, r) for s, r in zip(sig, ref) if s != r), None)
-    if diff is not None:
-      (path, shape, dtype), (rpath, rshape, rdtype) = diff
-      details.append(f"rank {rank} leaf {path} {shape} {dtype} vs rank {root} leaf {rpath}"
-                     f" {rshape} {rdtype}")
-    if len(details) == before:
-      details.append(f"rank {rank} nests its containers differently from rank {root}")
-  raise ValueError(
-      f"{caller}: every rank must pass a tree with the same containers, structure, shapes"
-      f" and dtypes; the tree of rank(s) {differing} differs from rank {root}'s:"
-      f" {'; '.join(details)}. Build the tree the same way on every rank (the same model,"
-      " input shapes and metrics, the same list/tuple/dict types) before the call; nothing"
-      " was exchanged.")
 
 
 def is_number(dtype: Any) -> bool:
@@ -272,57 +68,6 @@ def check_numbers(tree: Any, caller: str, *, floats_only: bool = False) -> None:
       raise TypeError(
           f"{caller}: leaf {path} has dtype {dtype}; expected {expected}. Convert or drop"
           " such leaves before reducing.")
-
-
-def fuse(arrays: Sequence[np.ndarray], dtype: Any = None) -> np.ndarray:
-  """A new 1-D buffer: the arrays raveled, cast to `dtype` (default: the first one's), end
-  to end. The inverse of `split`.
-
-  Example:
-    >>> fuse([np.ones((2, 2)), np.zeros(3, np.int32)], np.float64).shape
-    (7,)
-  """
-  dtype = np.asarray(arrays[0]).dtype if dtype is None else np.dtype(dtype)
-  return np.concatenate([np.asarray(a, dtype).ravel() for a in arrays])
-
-
-def split(buf: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]:
-  """Views of `buf` with the shapes of `like` (in `buf`'s dtype): the inverse of `fuse`.
-
-  Example:
-    >>> [x.shape for x in split(np.arange(7.0), [np.ones((2, 2)), np.zeros(3)])]
-    [(2, 2), (3,)]
-  """
-  out, offset = [], 0
-  for a in like:
-    size = int(np.size(a))
-    out.append(buf[offset:offset + size].reshape(np.shape(a)))
-    offset += size
-  return out
-
-
-def reduce_arrays(arrays: Sequence[np.ndarray], comm: Communicator,
-                  op: MPI.Op = MPI.SUM) -> list[np.ndarray]:
-  """The reduction (`op`) over ranks of every array, in its own dtype: one fused buffer
-  and one MPI call per dtype, in first-appearance order. Collective; no checks (every rank
-  must pass the same shapes and dtypes: see `check_same_tree`). The inputs are not changed.
-
-  Example:
-    >>> ones, counts = reduce_arrays([np.ones(3), np.arange(2)], comm)
-    >>> ones.tolist() == [comm.size] * 3, counts.dtype
-    (True, dtype('int64'))
-  """
-  if comm.size == 1:
-    return [np.array(a) for a in arrays]
-  out: list[Any] = [None] * len(arrays)
-  for group in group_by_dtype([a.dtype for a in arrays], key=lambda dtype: dtype):
-    members = [arrays[i] for i in group.positions]
-    buf = fuse(members, group.dtype)
-    with recorder.host_span("host allreduce", bytes=buf.nbytes):
-      comm.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=op)
-    for i, piece in zip(group.positions, split(buf, members)):
-      out[i] = piece
-  return out
 
 
 def _sum_dtype(dtype: np.dtype) -> np.dtype:

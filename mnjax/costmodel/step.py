@@ -20,8 +20,10 @@ shows in the step depends on `overlap`:
   collective, near the end of the backward pass: model that case as ``"none"``.
 
 ZeRO-1 (``step_time(..., shard_optimizer=True)``, `mnjax.shard_optimizer`): the gradient is
-reduce-scattered and the updates all-gathered, the same bytes on the wire as the allreduce
-(one allreduce is a reduce-scatter then an all-gather), so ``comm`` is unchanged; each GPU
+reduce-scattered and the updates all-gathered, the same bytes per rank as the allreduce
+(one allreduce is a reduce-scatter then an all-gather), so ``comm`` is unchanged (one rank
+per node; with several, MPI's reduce-scatter is not node-aware and a node's uplink carries
+more: ``mnjax.costmodel.link.uplink_bytes``); each GPU
 runs the optimizer update (`Workload.update` seconds of `Workload.compute`) on 1/P of the
 parameters and holds 1/P of its state (`optimizer_state_bytes`). The all-gather follows the
 update, so only ``overlap="none"`` is modelled for it.

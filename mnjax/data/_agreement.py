@@ -9,7 +9,7 @@ makes the ranks run different numbers of steps, which ends in a hang. `check_sam
 compares those values across ranks once per call of `scatter_index`, `scatter_dataset`,
 `epoch_batches` and `mnjax.data.Loader` (at construction and per ``epoch``) — once per epoch
 in the training loops, never per batch — with the host check every mnjax collective uses
-(`mnjax.comm._host.gather_if_different`: one allgather of a 16-byte hash, the values only on
+(`mnjax.comm._agreement.gather_if_different`: one allgather of a 16-byte hash, the values only on
 a mismatch), and raises the same `ValueError` on every rank, naming each differing value and
 the ranks that passed it. At ``comm.size == 1`` there is nothing to compare and no round.
 """

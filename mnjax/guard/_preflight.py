@@ -54,7 +54,7 @@ def check_same_on_all_ranks(comm: Communicator, what: str, signature: Any, *,
 
   Collective over ``comm.mpi_comm`` (host level: safe while a step is in flight, which uses
   the other communicators). One allgather of a 16-byte hash, and only on a mismatch of the
-  full signatures, to write the message (`mnjax.comm._host.gather_if_different`, the same
+  full signatures, to write the message (`mnjax.comm._agreement.gather_if_different`, the same
   comparison every host collective makes).
 
   Args:

@@ -3,8 +3,10 @@
 `shard_optimizer(comm, tx)` is used *instead of* ``optax.chain(allreduce_gradients(comm), tx)``.
 Each rank keeps only its share of `tx`'s state; a step reduce-scatters the gradients (each
 rank receives the global mean of its share), runs `tx` on that share with its share of the
-state and of the parameters, and all-gathers the updates. The same bytes cross the wire as
-an allreduce; each rank holds and updates 1/P of the optimizer state (DeepSpeed ZeRO-1,
+state and of the parameters, and all-gathers the updates. Each rank sends and receives an
+allreduce's bytes (on a multi-rank node, MPI's reduce-scatter and allgather are not
+node-aware: a node's uplink carries 1.75x the allreduce's at 2 ranks per node,
+docs/design/cluster.md); each rank holds and updates 1/P of the optimizer state (DeepSpeed ZeRO-1,
 PyTorch's ``ZeroRedundancyOptimizer``).
 
 **Per leaf, not one flat buffer.** Every leaf of ``n`` elements is split into ``P`` shares

@@ -214,15 +214,15 @@ def test_keep_must_be_positive(comm, tmp_path):
 
 
 def test_verification_compares_the_digests_saved_with_the_state():
-  from mnjax.checkpoint import _checkpointer as checkpointer
+  from mnjax.checkpoint import _verify as verify
 
   state = {"w": np.arange(4.0), "n": np.int64(3)}
-  saved = checkpointer._digests(state)
-  assert checkpointer._damaged(saved, state) == []
-  assert checkpointer._damaged(saved, {**state, "w": np.arange(4.0) + 1}) == ["['w']"]
+  saved = verify.record_digests(state)
+  assert verify.damaged(saved, state) == []
+  assert verify.damaged(saved, {**state, "w": np.arange(4.0) + 1}) == ["['w']"]
   # A state that is one bare array: older records name its leaf '' rather than '<root>'.
   bare = np.arange(3.0)
-  assert checkpointer._damaged({"": checkpointer._digests(bare)["<root>"]}, bare) == []
+  assert verify.damaged({"": verify.record_digests(bare)["<root>"]}, bare) == []
 
 
 def drifted_local_copies(values):

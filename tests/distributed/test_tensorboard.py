@@ -12,7 +12,7 @@ from support.events import read_scalars
 
 from mnjax.optim import dynamic_loss_scale
 from mnjax.train import RunConfig, TensorBoard, TrainState, guarded_optimizer, train_loop
-from mnjax.train._loop import _optimizer_values
+from mnjax.train._records import optimizer_values
 
 
 def test_the_event_file_holds_the_scalars_written_on_rank_0_only(comm, tmp_path):
@@ -75,8 +75,8 @@ def test_the_record_holds_the_learning_rate_of_the_last_step_and_the_loss_scale(
   params = {"w": jnp.zeros(2)}
   scaled = dynamic_loss_scale(optax.sgd(0.1)).init(params)
   schedule = optax.linear_schedule(1.0, 0.0, transition_steps=10)
-  assert _optimizer_values(scaled, schedule, 3) == {"learning_rate": pytest.approx(0.8),
+  assert optimizer_values(scaled, schedule, 3) == {"learning_rate": pytest.approx(0.8),
                                                     "loss_scale": 2.0**15}
   plain = optax.sgd(0.1).init(params)
-  assert _optimizer_values(plain, 0.5, 3) == {"learning_rate": 0.5}
-  assert _optimizer_values(plain, None, 3) == {}
+  assert optimizer_values(plain, 0.5, 3) == {"learning_rate": 0.5}
+  assert optimizer_values(plain, None, 3) == {}

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from orbax.checkpoint._src.path import async_path
 
 import mnjax
-from mnjax.checkpoint import _checkpointer as checkpoint
+from mnjax.checkpoint import _verify as verify
 
 SHAPE = (3, 1 << 24)  # 3 x 64 MiB of float32: a save takes a good fraction of a second
 _current = {"step": 0}
@@ -41,7 +41,7 @@ def install(point: str) -> None:
   def armed(name):
     return point == name and _current["step"] == 3
 
-  digests, write_text, rename = checkpoint._digests, async_path.write_text, async_path.rename
+  digests, write_text, rename = verify.record_digests, async_path.write_text, async_path.rename
 
   def patched_digests(tree):
     out = digests(tree)
@@ -64,7 +64,7 @@ def install(point: str) -> None:
       die(point)
     return result
 
-  checkpoint._digests = patched_digests
+  verify.record_digests = patched_digests
   async_path.write_text = patched_write_text
   async_path.rename = patched_rename
 

@@ -1,0 +1,74 @@
+"""The nodes of a saved tree that differ between ranks by design, and their check.
+
+Two kinds of node hold what is not a replica: a `mnjax.optim.ShardedState` (this rank's
+shares of the optimizer state, `mnjax.checkpoint._sharded`) and a `PerRankState` (this
+rank's own subtree, `mnjax.checkpoint._own_state`). Both modules find their nodes in a tree
+by type (`find`) and, before a save or restore, check them on every rank alike
+(`check_on_every_rank`): each rank names what is wrong with its own nodes, one round
+compares every rank's description of them (`mnjax.comm._agreement.gather_if_different`, a
+16-byte hash unless they differ), and every rank returns the same message (or None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from mnjax.comm._agreement import gather_if_different
+from mnjax.comm._communicator import Communicator
+
+__all__ = ["check_on_every_rank", "find"]
+
+
+def find(tree: Any, kind: type) -> tuple[list[tuple[str, Any]], Any]:
+  """``[(path, leaf or node of type kind)]`` and the tree's structure above them.
+
+  Example:
+    >>> find({"a": (1, 2), "b": 3}, tuple)[0]
+    [("['a']", (1, 2)), ("['b']", 3)]
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kind))
+  return [(jax.tree_util.keystr(path), x) for path, x in flat], treedef
+
+
+def check_on_every_rank(
+    comm: Communicator, tree: Any, kind: type, caller: str, what: str, *,
+    complaint: Callable[[str, Any], str | None],
+    described: Callable[[list[tuple[str, Any]]], Any],
+    problem: Callable[[list[tuple[int, str]]], str],
+    mismatch: Callable[[Any, int, Any], str]) -> str | None:
+  """What is wrong with the `kind` nodes of `tree` on some rank, the same text on every rank
+  (None when nothing is). Collective (one small allgather; more only on a mismatch).
+
+  Args:
+    comm: the `Communicator`.
+    tree: the tree to save, or the restore template.
+    kind: the node type (`ShardedState`, `PerRankState`).
+    caller: the public method, first in every message.
+    what: what the round is waiting for, for a rank that left (``"sharded state"``).
+    complaint: ``complaint(path, node)`` (``<root>`` for the tree itself): what is wrong with
+      this rank's node, or None; the first node's complaint is this rank's.
+    described: what every rank must agree on, from this rank's ``[(path, node)]``.
+    problem: the message for the ranks' ``[(rank, complaint)]`` when there are any.
+    mismatch: ``mismatch(rank 0's description, a differing rank, its description)``: the
+      message when the complaints are none but the descriptions differ.
+
+  Example:
+    >>> check_on_every_rank(comm, {"a": (1, 2)}, tuple, "doc", "tuples",
+    ...                     complaint=lambda path, x: None, described=len,
+    ...                     problem=str, mismatch=str) is None
+    True
+  """
+  nodes = [(path, x) for path, x in find(tree, kind)[0] if isinstance(x, kind)]
+  mine = next((text for path, x in nodes if (text := complaint(path or "<root>", x))), None)
+  everyone = (gather_if_different(comm, (described(nodes), mine), what=f"{caller}'s {what}")
+              if comm.size > 1 else None)
+  if everyone is None:
+    return None if mine is None else f"{caller}: {mine}."
+  problems = [(rank, text) for rank, (_, text) in enumerate(everyone) if text]
+  if problems:
+    return f"{caller}: {problem(problems)}."
+  differing = next(rank for rank, (d, _) in enumerate(everyone) if d != everyone[0][0])
+  return f"{caller}: {mismatch(everyone[0][0], differing, everyone[differing][0])}"
