@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import optax
 
 import mnjax
-import mnjax.functions
 from mnjax.model_parallel import MultiNodeChain
 
 
@@ -85,20 +84,14 @@ def main(argv=None) -> None:
       optax.adam(args.learning_rate)))
   opt_state = tx.init(params)
 
-  # Two jitted functions: the model group's exchanges, checked over the model communicator
-  # (mnjax.functions.jit: jax.jit + the check that they pair up), then the update, whose
-  # allreduce runs over the data communicator. (One step checked over `comm` is refused:
-  # the pairing check reads data_comm's allreduce as one over every rank of `comm`.)
-  grad = mnjax.functions.jit(
-      lambda p, x, y: jax.grad(chain.loss)(p, x, y, common.cross_entropy), model_comm)
-
+  # One plain jax.jit step: the model group's exchanges (over the model communicator,
+  # paired by the check that runs when the step is lowered), then the update, whose
+  # allreduce runs over the data communicator (checked by allreduce_gradients when traced).
   @jax.jit
-  def update(params, opt_state, grads):
+  def step(params, opt_state, x, y):
+    grads = jax.grad(chain.loss)(params, x, y, common.cross_entropy)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
-
-  def step(params, opt_state, x, y):
-    return update(params, opt_state, grad(params, x, y))
 
   # The single-process model: every stage, the whole global batch, from the same start.
   reference = chain.init_all(jax.random.key(args.seed), images[:local])
@@ -114,7 +107,7 @@ def main(argv=None) -> None:
     reference, ref_state = ref_step(reference, ref_state, images[idx], labels[idx])
     steps += 1
 
-  logits = mnjax.functions.jit(chain.apply, model_comm)(params, test_images)  # the group
+  logits = jax.jit(chain.apply)(params, test_images)  # the model group's forward
   accuracy = float(jnp.mean(jnp.argmax(chain.apply_all(reference, test_images), -1)
                             == test_labels))
   if model_comm.rank == chain.output_rank:

@@ -104,7 +104,7 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
     size = sum(int(np.size(m)) for m in members)
     sequence.note_collective(  # the step's fingerprint (`mnjax.guard._preflight`)
         f"allreduce_tree bucket {k + 1} of {len(buckets)}", (size,),
-        bucket.dtype if wire_dtype is None else wire_dtype)
+        bucket.dtype if wire_dtype is None else wire_dtype, over=comm.mpi_comm)
     with recorder.tagging("bucket allreduce", bucket=k, bytes=size * bucket.dtype.itemsize):
       previous = _bucket(members, bucket, out, comm, wire_dtype, previous, mean, half_pack)
   if previous is not None:

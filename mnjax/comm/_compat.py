@@ -23,6 +23,13 @@ from __future__ import annotations
 # opaque: equality only).
 from jax._src import core as _jax_core
 
+# JAX's effect registry: an `mnjax.functions` exchange declares an effect of its own so that
+# JAX keeps it when nothing uses its result (a forward-only send, a delegate left out of the
+# loss) and lowers it; it must be allowed inside ``custom_vjp`` (mpi4jax registers its
+# ordered effect the same way, in its ``_src/jax_compat.py``). Public replacement: none in
+# jax 0.10.2.
+from jax._src import effects as _jax_effects
+
 # jax's "have the backends been created yet" flag: `create_communicator` must know whether
 # JAX already started (then it is too late to choose devices, or to start jax.distributed)
 # without starting it. Public replacement: none in jax 0.10.2 (every jax.extend.backend
@@ -48,12 +55,16 @@ from mpi4jax._src.jax_compat import abstract_token
 from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
 
 __all__ = [
+  "KEPT_EFFECT_BASE",
   "abstract_token",
   "jax_backends_started",
+  "outermost_trace",
   "reachable_here",
+  "register_kept_effect",
   "set_mpi4jax_cuda_copy_mode",
   "to_dtype_handle",
   "to_mpi_handle",
+  "traced_for",
   "usable_here",
 ]
 
@@ -99,6 +110,59 @@ def usable_here(value):
       return value
     value = getattr(value, "primal", None)  # JVPTracer / LinearizeTracer
   return None
+
+
+def outermost_trace():
+  """The outermost trace enclosing the one JAX traces into now (following ``parent_trace``),
+  or None outside any trace: under ``jax.jit(f)``, ``f``'s own trace, also seen from under
+  a ``jax.grad`` inside it.
+
+  Example:
+    >>> outermost_trace() is None
+    True
+  """
+  trace, top = _jax_core.trace_ctx.trace, None
+  while trace is not None:
+    if not isinstance(trace, _jax_core.EvalTrace):
+      top = trace
+    trace = getattr(trace, "parent_trace", None)
+  return top
+
+
+def traced_for() -> tuple[str, ...]:
+  """What each staged trace enclosing the current one traces (innermost first): ``"jit"``,
+  ``"cond"``, ``"while_body"``, ``"scan"``, ``"checkpoint / remat"``, ...
+
+  Example:
+    >>> jax.jit(lambda x: (print(traced_for()), x)[1])(1.0)    # doctest: +SKIP
+    ('jit',)
+  """
+  trace, out = _jax_core.trace_ctx.trace, []
+  while trace is not None:
+    info = getattr(getattr(trace, "frame", None), "debug_info", None)
+    if info is not None:
+      out.append(str(info.traced_for))
+    trace = getattr(trace, "parent_trace", None)
+  return tuple(out)
+
+
+def register_kept_effect(effect_type: type, *, control_flow: bool = False) -> object:
+  """An instance of `effect_type` (a subclass of JAX's ``Effect``), registered as an unordered
+  effect that JAX keeps and lowers, allowed inside ``custom_vjp`` (and, with
+  `control_flow`, inside ``lax.cond``/``while_loop``/``scan`` bodies).
+
+  Example:
+    >>> effect = register_kept_effect(KEPT_EFFECT_BASE)          # doctest: +SKIP
+  """
+  _jax_effects.lowerable_effects.add_type(effect_type)
+  _jax_effects.custom_derivatives_allowed_effects.add_type(effect_type)
+  if control_flow:
+    _jax_effects.control_flow_allowed_effects.add_type(effect_type)
+  return effect_type()
+
+
+#: The base class of JAX effects (for `register_kept_effect`).
+KEPT_EFFECT_BASE = _jax_effects.Effect
 
 
 def reachable_here(value) -> bool:

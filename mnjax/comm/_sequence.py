@@ -26,7 +26,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
+from jax.extend import core as _jax_core
+from mpi4py import MPI  # the trace identity that scopes the order chain
 
 from mnjax.comm._compat import usable_here
 
@@ -46,9 +47,14 @@ class _Recordings(threading.local):
 _RECORDINGS = _Recordings()
 
 
-def note_collective(what: str, shape: Any, dtype: Any) -> None:
+def note_collective(what: str, shape: Any, dtype: Any, *, over: Any = None) -> None:
   """Notes an in-step collective being traced (`what`: e.g. the layer's path) in every open
   `recording`; nothing when none is open.
+
+  `over`: the MPI communicator the collective runs over, when it may be a part of the job
+  (a sub-communicator): the entry then names its ``MPI.COMM_WORLD`` ranks (the tag of
+  `mnjax.guard._pairing.entry`), so that a model-parallel step's check pairs it over those
+  ranks, not over every rank it checks (data x model parallelism in one checked step).
 
   Example:
     >>> with recording() as log:
@@ -56,6 +62,9 @@ def note_collective(what: str, shape: Any, dtype: Any) -> None:
     >>> log
     [('SyncBatchNorm layer BatchNorm_0', (3, 16), 'float32')]
   """
+  if over is not None and over.Get_size() < MPI.COMM_WORLD.Get_size() and _RECORDINGS.open:
+    from mnjax.guard import _pairing  # noqa: PLC0415 - the guard layer builds on this one
+    what = _pairing.entry(what, "collective", _pairing.world_ranks(over))
   for log in _RECORDINGS.open:
     log.append((what, tuple(int(d) for d in shape), str(dtype)))
 

@@ -9,18 +9,22 @@ between ranks inside every rank's own step:
 * `bcast`, `gather`, `scatter` (rooted), `allgather`, `alltoall`: collectives whose
   backward is the transposed exchange (a sum to the root, a scatter, a gather, an
   all-to-all).
-* `jit`: ``jax.jit`` plus the pre-flight check that the ranks' exchanges pair up (wrong
-  peer, shape, dtype or order: an `ExchangeError` on every rank, before anything blocks).
+
+They work inside plain ``jax.jit`` on every rank: the first call of the step (its lowering)
+checks across the ranks that their exchanges pair up (wrong peer, shape, dtype or order: an
+`ExchangeError` on every rank, before anything is exchanged). `jit` is ``jax.jit`` with
+that check run when the step is traced, on every rank of a given communicator, also on a
+rank whose step exchanges nothing; it also admits `mnjax.SyncBatchNorm` in the step.
 
 Kind ``flat`` (one CPU device per process); the other kinds are refused when a function is
-called. Design: docs/design/functions.md.
+called, naming what to use instead. Design: docs/design/functions.md.
 
 Example::
 
-    stage0 = mnjax.functions.jit(lambda p, x: jax.grad(
-        lambda p: mnjax.functions.send(f(p, x), comm, 1))(p), comm)       # rank 0
-    stage1 = mnjax.functions.jit(lambda p, y: jax.value_and_grad(
-        lambda p: loss(g(p, mnjax.functions.recv(comm, 0, like)), y))(p), comm)  # rank 1
+    stage0 = jax.jit(lambda p, x: jax.grad(
+        lambda p: mnjax.functions.send(f(p, x), comm, 1))(p))                  # rank 0
+    stage1 = jax.jit(lambda p, y: jax.value_and_grad(
+        lambda p: loss(g(p, mnjax.functions.recv(comm, 0, like)), y))(p))      # rank 1
 """
 
 from mnjax.functions._collective import allgather, alltoall, bcast, gather, scatter

@@ -33,8 +33,9 @@ import jax.numpy as jnp
 
 from mnjax.comm import _sequence as sequence
 from mnjax.functions import _checks as checks
+from mnjax.functions import _trace_check as trace_check
 
-__all__ = ["anchor", "apply", "differentiable", "last_link", "link", "put", "scalar"]
+__all__ = ["anchor", "apply", "differentiable", "link", "put", "scalar"]
 
 
 def scalar(value: Any) -> jax.Array:
@@ -72,7 +73,7 @@ GAP = (
 def _last(comm: Any) -> jax.Array | None:
   """The usable last link; a gap left by an exchange of this step is refused (`GAP`)."""
   last = sequence.ORDER.reachable()
-  log = sequence.current_recording()
+  log = _log()
   if (last is None and _MINE.value is not None and sequence.ORDER.stale() is _MINE.value
       and log is not None and _MINE.log is log):
     _MINE.value = None  # refused once
@@ -93,23 +94,17 @@ def link(comm: Any = None) -> jax.Array:
   return jax.lax.stop_gradient(scalar(last if last is not None else 0.0))
 
 
-def last_link(comm: Any = None) -> jax.Array:
-  """A float32 scalar computed from the chain's last link (every exchange of the step feeds
-  it), or a zero: `mnjax.functions.jit` returns it from the compiled step (a gap is
-  refused over `comm`).
-
-  Example:
-    >>> last_link().dtype
-    dtype('float32')
-  """
-  last = _last(comm)
-  return scalar(last if last is not None else 0.0)
-
-
 def put(value: Any) -> None:
   """Makes `value` the chain's last link (the next collective of the step waits for it)."""
   sequence.ORDER.put(value)
-  _MINE.value, _MINE.log = value, sequence.current_recording()
+  _MINE.value, _MINE.log = value, _log()
+
+
+def _log() -> Any:
+  """The step's record of exchanges: `mnjax.functions.jit`'s recording, else the
+  `StepCheck` of the step traced under plain ``jax.jit``."""
+  log = sequence.current_recording()
+  return log if log is not None else trace_check.current()
 
 
 def anchor() -> jax.Array:
@@ -134,19 +129,28 @@ def differentiable(forward: Callable, backward: Callable, x: Any, comm: Any = No
     >>> float(jax.grad(lambda x: differentiable(double, twice_back, x))(1.0))
     2.0
   """
-  y, out = _exchange(forward, backward, x, link(comm), anchor())
+  after = link(comm)
+  with trace_check.ambient():
+    y, out = _exchange(forward, backward, x, after, anchor())
   put(out)
   return y
 
 
-def apply(forward: Callable, backward: Callable, x: Any, dtype: Any, comm: Any = None) -> Any:
+def apply(forward: Callable, backward: Callable, x: Any, dtype: Any, comm: Any = None,
+          caller: str = "exchange") -> Any:
   """`differentiable` for an inexact `dtype` (the payload's); for any other, the forward
-  exchange alone (an integer array has no gradient, on either side of an exchange).
+  exchange alone (an integer array has no gradient, on either side of an exchange). Inside
+  a control-flow body (`mnjax.functions._checks.body`) the call is refused: noted for the
+  check to raise on every rank, and a stand-in returned.
 
   Example:
     >>> int(apply(lambda x, after: x + 1, None, jnp.int32(1), jnp.int32))
     2
   """
+  inside = checks.body()
+  if inside is not None:  # refused on every rank by the check; the step never runs
+    checks.refuse(checks.BODY.format(caller=caller, body=inside), comm)
+    return checks.stand_in(forward, x, jnp.zeros((), jnp.float32))
   if jnp.issubdtype(dtype, jnp.inexact):
     return differentiable(forward, backward, x, comm)
   y = forward(x, link(comm))

@@ -3,11 +3,12 @@
 A bad argument that every rank passes alike (a communicator of another kind, a `like` that
 is no array) raises at once, on every rank. One that may differ per rank (a peer or root
 outside the communicator, a rank sending to itself) must not raise on that rank alone
-while the others go on to the pre-flight check and wait there: inside a checked step
-(`mnjax.functions.jit`: a sequence is being recorded) the call
-notes a *refusal* in the step's sequence and goes on with a stand-in result, and the
-pre-flight check raises it on every rank (`mnjax.guard._pairing`). Outside one, on several
-ranks, nothing could check the step, so the call is refused where it is.
+while the others go on to the pre-flight check and wait there: the call notes a *refusal*
+in the step's sequence (the one `mnjax.functions.jit` records, or the `StepCheck` of a step
+under plain ``jax.jit``) and goes on with a stand-in result, and the pre-flight check
+raises it on every rank (`mnjax.guard._pairing`). A call traced inside a control-flow body
+(`body`: ``lax.cond``, ``while_loop``, ``scan``, ``jax.checkpoint``), which would run its
+exchange as often as the body runs, not as it was paired, is refused the same way.
 """
 
 from __future__ import annotations
@@ -18,16 +19,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._compat import traced_for
 from mnjax.comm._primitives import mpi_datatype
+from mnjax.functions import _transport as transport
 from mnjax.guard import _pairing as pairing
 
-__all__ = ["checked", "communicator", "like_spec", "payload", "rank_problem", "refuse"]
+__all__ = ["BODY", "body", "checked", "communicator", "like_spec", "payload", "rank_problem",
+           "refuse", "stand_in"]
+
+#: The bodies an exchange must not be traced in (`mnjax.comm._compat.traced_for`): they run
+#: a traced exchange zero times (a ``cond`` branch not taken) or several (a loop), so the
+#: ranks would not exchange what the check paired.
+_BODIES = {"cond": "lax.cond", "switch": "lax.switch", "while_cond": "lax.while_loop",
+           "while_body": "lax.while_loop", "scan": "lax.scan (or fori_loop)",
+           "checkpoint": "jax.checkpoint"}
+
+BODY = (
+    "mnjax.functions.{caller}: called inside a {body}, which runs a traced exchange"
+    " zero times (a branch not taken) or several times (a loop), so the ranks would not"
+    " exchange what the pre-flight check paired (a hang). Call mnjax.functions at the step's"
+    " top level (a Python loop or condition on static values instead), or in the functions"
+    " jax.grad, jax.value_and_grad or jax.vjp differentiate")
 
 
 def communicator(comm: Any, caller: str) -> Communicator:
-  """`comm`, checked to be a ``flat`` `Communicator` on CPU devices, traced under a check.
+  """`comm`, checked to be a ``flat`` `Communicator` on CPU devices.
 
   Example:
     >>> communicator(comm, "send") is comm
@@ -39,21 +56,18 @@ def communicator(comm: Any, caller: str) -> Communicator:
         f"mnjax.functions.{caller}: the communicator is kind {comm.kind!r}"
         f" ({comm.local_device_count} device(s) per process); the in-step exchanges of"
         " mnjax.functions need one device per process, kind 'flat' (its step is one"
-        " jitted program per process, which no shard_map over local devices splits)."
-        " Create the model-parallel communicator with mnjax.create_communicator('flat').")
+        " jitted program per process; the multi-device kinds' step is a shard_map over the"
+        " local devices, where each exchange would run once per device and pair per"
+        " device). Instead: launch one process per device (mpirun -n <devices in the job>)"
+        " with comm = mnjax.create_communicator('flat'), and for data x model parallelism"
+        " split it: model_comm = comm.split(...) for the exchanges, data_comm ="
+        " comm.split(...) for mnjax.allreduce_gradients (experiments/dual_parallel.py).")
   platforms = {d.platform for d in comm.devices}
   if platforms - {"cpu"}:
     raise NotImplementedError(
         f"mnjax.functions.{caller}: this process drives {sorted(platforms)} devices; the"
         " in-step exchanges run on CPU devices only (mnjax's native MPI handlers order a"
         " receive after the previous exchange; mpi4jax's GPU handlers cannot).")
-  if comm.size > 1 and not sequence.recording_open():
-    raise RuntimeError(
-        f"mnjax.functions.{caller} is traced across {comm.size} processes outside a checked"
-        " step (e.g. under plain jax.jit), where no rank can check that every send meets"
-        " its recv: a rank with another peer, shape or order would wait forever. Build the"
-        " step with mnjax.functions.jit(step, comm) (jax.jit plus that check, once per"
-        " trace).")
   return comm
 
 
@@ -89,7 +103,31 @@ def refuse(problem: str, comm: Communicator) -> None:
   """
   if comm.size == 1:
     raise pairing.ExchangeError(problem + ".")
-  sequence.note_collective(pairing.entry(problem, "refused", ()), (), "")
+  transport.check_only(transport.record(comm, pairing.entry(problem, "refused", ()), (), ""))
+
+
+def body() -> str | None:
+  """The control flow whose body the current trace lies in (``"lax.cond"``, ...), or None.
+
+  Example:
+    >>> body() is None
+    True
+  """
+  return next((name for b in traced_for() for key, name in _BODIES.items()
+               if b.startswith(key)), None)
+
+
+def stand_in(fn: Any, *args: Any) -> Any:
+  """Zeros shaped like ``fn(*args)``'s result, which issues no exchange: what a refused call
+  returns (the check refuses its step).
+
+  Example:
+    >>> stand_in(lambda x: x + 1, jnp.ones(2))
+    Array([0., 0.], dtype=float32)
+  """
+  with transport.dry():
+    shapes = jax.eval_shape(fn, *args)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def checked(rank: Any, comm: Communicator, name: str, caller: str, *, peer: bool) -> bool:

@@ -55,7 +55,7 @@ def bcast(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
   x = x if comm.rank == root else _differentiable(x)
   forward = functools.partial(_bcast, comm, root, spec)
   backward = functools.partial(_bcast_backward, comm, root, spec, x is not None)
-  return chain.apply(forward, backward, x, spec.dtype, comm)
+  return chain.apply(forward, backward, x, spec.dtype, comm, "bcast")
 
 
 def gather(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
@@ -78,7 +78,7 @@ def gather(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
   root = int(root)
   forward = functools.partial(_gather, comm, root, "mnjax.functions.gather", "forward")
   backward = functools.partial(_gather_backward, comm, root, x.shape, x.dtype)
-  return chain.apply(forward, backward, x, x.dtype, comm)
+  return chain.apply(forward, backward, x, x.dtype, comm, "gather")
 
 
 def scatter(xs: Any, comm: Communicator, root: int = 0) -> jax.Array:
@@ -108,7 +108,7 @@ def scatter(xs: Any, comm: Communicator, root: int = 0) -> jax.Array:
   xs = xs if comm.rank == root else _differentiable(xs)
   forward = functools.partial(_scatter, comm, root, spec, "mnjax.functions.scatter", "forward")
   backward = functools.partial(_scatter_backward, comm, root, spec, xs is not None)
-  return chain.apply(forward, backward, xs, spec.dtype, comm)
+  return chain.apply(forward, backward, xs, spec.dtype, comm, "scatter")
 
 
 def allgather(x: Any, comm: Communicator) -> jax.Array:
@@ -127,7 +127,7 @@ def allgather(x: Any, comm: Communicator) -> jax.Array:
     return x[None]
   forward = functools.partial(_allgather, comm)
   backward = functools.partial(_allgather_backward, comm)
-  return chain.apply(forward, backward, x, x.dtype, comm)
+  return chain.apply(forward, backward, x, x.dtype, comm, "allgather")
 
 
 def alltoall(xs: Any, comm: Communicator) -> jax.Array:
@@ -148,7 +148,7 @@ def alltoall(xs: Any, comm: Communicator) -> jax.Array:
     return xs
   forward = functools.partial(_alltoall, comm, "mnjax.functions.alltoall")
   backward = functools.partial(_alltoall_backward, comm)
-  return chain.apply(forward, backward, xs, xs.dtype, comm)
+  return chain.apply(forward, backward, xs, xs.dtype, comm, "alltoall")
 
 
 def _operand(x: Any, comm: Communicator, root: Any, caller: str,

@@ -36,8 +36,8 @@ def send(x: Any, comm: Communicator, dest: int) -> jax.Array:
   Differentiating a loss through the delegate receives `x`'s gradient from `dest` (where
   `recv`'s transpose sends it). Use the delegate as the loss of a rank whose output leaves
   it (``jax.grad(lambda p: send(f(p, x), comm, 1))(p)``), or join it to a loss with
-  `pseudo_connect`. Call inside `mnjax.functions.jit` on every
-  rank; kind ``flat`` on CPU devices.
+  `pseudo_connect`. Call inside ``jax.jit`` (or `mnjax.functions.jit`) on every rank;
+  kind ``flat`` on CPU devices.
 
   Args:
     x: the array to send (float, integer or bool; integer ones have no gradient).
@@ -49,7 +49,7 @@ def send(x: Any, comm: Communicator, dest: int) -> jax.Array:
     The delegate: ``jnp.float32`` zero, shape ``()``.
 
   Example:
-    >>> step = mnjax.functions.jit(lambda x: mnjax.functions.send(x, comm, 1), comm)
+    >>> step = jax.jit(lambda x: mnjax.functions.send(x, comm, 1))
     >>> step(jnp.ones(3))               # rank 0 of two; rank 1 calls recv  # doctest: +SKIP
     Array(0., dtype=float32)
   """
@@ -60,7 +60,7 @@ def send(x: Any, comm: Communicator, dest: int) -> jax.Array:
   dest = int(dest)
   forward = functools.partial(_send, comm, dest, "mnjax.functions.send", "forward")
   backward = functools.partial(_send_backward, comm, dest, x.shape, x.dtype)
-  return chain.apply(forward, backward, x, x.dtype, comm)
+  return chain.apply(forward, backward, x, x.dtype, comm, "send")
 
 
 def recv(comm: Communicator, source: int, like: Any) -> jax.Array:
@@ -79,7 +79,7 @@ def recv(comm: Communicator, source: int, like: Any) -> jax.Array:
 
   Example:
     >>> like = jax.ShapeDtypeStruct((3,), jnp.float32)
-    >>> step = mnjax.functions.jit(lambda: mnjax.functions.recv(comm, 0, like), comm)
+    >>> step = jax.jit(lambda: mnjax.functions.recv(comm, 0, like))
     >>> step()                           # rank 1 of two; rank 0 calls send  # doctest: +SKIP
     Array([1., 1., 1.], dtype=float32)
   """
@@ -90,7 +90,7 @@ def recv(comm: Communicator, source: int, like: Any) -> jax.Array:
   source = int(source)
   forward = functools.partial(_recv, comm, source, spec, "mnjax.functions.recv", "forward")
   backward = functools.partial(_recv_backward, comm, source)
-  return chain.apply(forward, backward, None, spec.dtype, comm)
+  return chain.apply(forward, backward, None, spec.dtype, comm, "recv")
 
 
 def pseudo_connect(delegate: jax.Array, *xs: Any) -> Any:

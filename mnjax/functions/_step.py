@@ -1,11 +1,15 @@
-"""`jit`: the jitted step of a model-parallel program, checked across ranks once per trace.
+"""`jit`: a model-parallel step checked across ranks when it is traced.
 
 A model-parallel step differs per rank by design (rank 0 runs the first layers and sends,
 rank 1 receives and runs the next), so `mnjax.data_parallel`'s comparison of whole programs
-does not apply; what must agree is how the ranks' exchanges pair up. `jit` is
-``jax.jit(fn)`` whose trace records the step's in-step exchanges and collectives and checks
-them across ranks before the compiled step first runs (`mnjax.guard._pairing`): the same
-code path as ``mnjax.data_parallel(fn, comm, batch_argnums=(), check_program=False)``.
+does not apply; what must agree is how the ranks' exchanges pair up. Plain ``jax.jit``
+steps are checked when lowered (`mnjax.functions._trace_check`), over the communicator
+their exchanges use. `jit` is ``jax.jit(fn)`` whose trace records the step's in-step
+exchanges and collectives and checks them across the ranks of a given communicator before
+the compiled step first runs (`mnjax.guard._pairing`): the same code path as
+``mnjax.data_parallel(fn, comm, batch_argnums=(), check_program=False)``. Use it for a rank
+whose step exchanges nothing (it must still join the check) and for a step with
+`mnjax.SyncBatchNorm`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.functions import _chain as chain
 from mnjax.functions import _checks as checks
 from mnjax.train._parallel import data_parallel
 
@@ -23,7 +26,9 @@ __all__ = ["jit"]
 
 
 def jit(fn: Callable[..., Any], comm: Communicator) -> Callable[..., Any]:
-  """``jax.jit(fn)`` for a step that exchanges with `mnjax.functions`, checked once per trace.
+  """``jax.jit(fn)`` for a step of a model-parallel program, checked over `comm` once per
+  trace (plain ``jax.jit`` works too; this one also joins the check on a rank whose step
+  exchanges nothing, and admits `mnjax.SyncBatchNorm`).
 
   Before the compiled step first runs (and after each retrace), every rank sends a hash of
   its in-step exchanges to the others (one small host allgather; the sequences travel only
@@ -35,7 +40,9 @@ def jit(fn: Callable[..., Any], comm: Communicator) -> Callable[..., Any]:
 
   Args:
     fn: the step; may call `mnjax.functions` (forward and under ``jax.grad``),
-      `mnjax.allreduce_gradients` (e.g. over a sub-communicator) and `mnjax.SyncBatchNorm`.
+      `mnjax.allreduce_gradients` (also over a sub-communicator: its buckets name their
+      ranks, so data x model parallelism pairs in one step) and `mnjax.SyncBatchNorm` over
+      `comm` (its collectives read as ones over every rank of `comm`).
     comm: the ``flat`` `Communicator` the check runs over: one holding every rank the step
       exchanges with (usually the whole job's).
 
@@ -50,14 +57,4 @@ def jit(fn: Callable[..., Any], comm: Communicator) -> Callable[..., Any]:
   comm = check_communicator(comm, "mnjax.functions.jit")
   if comm.kind != "flat":
     checks.communicator(comm, "jit")  # raises, naming the kind
-  def kept(*args):  # the chain's last link as a hidden output: no exchange is dropped
-    out = fn(*args)
-    return out, chain.last_link(comm)
-
-  step = data_parallel(kept, comm, batch_argnums=(), check_program=False)
-
-  @functools.wraps(fn)
-  def run(*args):
-    return step(*args)[0]
-
-  return run
+  return functools.wraps(fn)(data_parallel(fn, comm, batch_argnums=(), check_program=False))

@@ -1,13 +1,19 @@
 """The one place where `mnjax.functions` issues an MPI exchange inside a traced step.
 
 Every exchange, forward or backward, goes through `issue`: it notes the exchange in the
-step's collective sequence (`mnjax.comm._sequence`, in the format the pairing check reads:
-`mnjax.guard._pairing.entry`) and binds `exchange_p`, one effect-free primitive that lowers
-to a side-effecting custom call of mnjax's CPU handlers (`mnjax.comm._native`: send, recv,
-bcast, gather, scatter, reduce, allgather, alltoall) with an ``after`` operand, as
-`mnjax.comm._primitives` does for the gradient buckets: the previous exchange's result, so
-that XLA runs them in the order they were traced (the order the pre-flight check verified).
-A hook that wants to see every exchange (a timeline) wraps `issue`.
+step's collective sequence (in the format the pairing check reads:
+`mnjax.guard._pairing.entry`): the one `mnjax.functions.jit` records
+(`mnjax.comm._sequence`), or, under plain ``jax.jit``, the step's own `StepCheck`
+(`mnjax.functions._trace_check`), which the primitive carries and its lowering runs. It
+binds `exchange_p`, a primitive that lowers to a side-effecting custom call of mnjax's CPU
+handlers (`mnjax.comm._native`: send, recv, bcast, gather, scatter, reduce, allgather,
+alltoall) with an ``after`` operand, as `mnjax.comm._primitives` does for the gradient
+buckets: the previous exchange's result, so that XLA runs them in the order they were traced
+(the order the pre-flight check verified). Unlike the buckets' primitives it has a JAX
+effect (`ExchangeEffect`, unordered): JAX keeps an exchange whose result nothing uses (a
+forward-only send, a delegate left out of the loss), at the price of JAX's fast dispatch
+path for the steps that exchange (the gradient buckets keep it). A hook that wants to see
+every exchange (a timeline) wraps `issue`.
 
 Only CPU devices: on GPUs the lowering refuses, naming the alternative (mpi4jax's CUDA
 handlers take tokens, not an ``after`` operand, for receives: nothing could order them).
@@ -15,8 +21,12 @@ handlers take tokens, not an ``after`` operand, for receives: nothing could orde
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax import ffi
 from jax.core import ShapedArray
@@ -27,10 +37,33 @@ from mpi4py import MPI
 from mnjax.comm import _primitives as mpi_ops
 from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._compat import to_mpi_handle
+from mnjax.comm._compat import (
+    KEPT_EFFECT_BASE,
+    outermost_trace,
+    register_kept_effect,
+    to_mpi_handle,
+)
+from mnjax.functions import _trace_check as trace_check
 from mnjax.guard import _pairing as pairing
 
-__all__ = ["exchange_p", "issue", "peer_world", "world_group"]
+__all__ = ["ExchangeEffect", "check_only", "dry", "exchange_p", "issue", "peer_world",
+           "record", "world_group"]
+
+
+class ExchangeEffect(KEPT_EFFECT_BASE):
+  """The effect of an `mnjax.functions` exchange: JAX neither removes it nor drops it from
+  ``custom_vjp`` rules; unordered (the ``after`` chain orders the exchanges)."""
+
+  def __repr__(self):  # JAX names it when it refuses it (inside vmap's or a body's rules)
+    return "mnjax.functions exchange (call it at the step's top level or under jax.grad)"
+
+
+class _CheckEffect(KEPT_EFFECT_BASE):
+  """The effect of a refused call's stand-in (`check_only`): allowed in control flow."""
+
+
+_EFFECT = register_kept_effect(ExchangeEffect)
+_CHECK_EFFECT = register_kept_effect(_CheckEffect, control_flow=True)
 
 #: The attributes each handler reads besides ``count``, ``comm`` and ``dtype``.
 _TARGETS = {
@@ -83,10 +116,18 @@ def issue(exchange: str, comm: Communicator, payload: Any, after: Any, *, shape:
     >>> jax.jit(gathered)(jnp.ones(3)).shape
     (1, 3)
   """
+  if _DRY.on:
+    return jnp.zeros(shape, dtype)
+  if outermost_trace() is None:
+    raise RuntimeError(
+        f"{label}: called outside any traced step (eagerly, or the backward of a jax.vjp"
+        " called outside jax.jit); the exchanges run inside a jitted step, whose pairing"
+        " is checked across ranks before it runs. Call it inside jax.jit (or"
+        " mnjax.functions.jit(step, comm)) on every rank.")
   kind, peer, phase, note_shape, note_dtype = note
-  sequence.note_collective(
-      pairing.entry(label, kind, world_group(comm), phase=phase,
-                    peer=None if peer is None else peer_world(comm, peer)),
+  check = record(
+      comm, pairing.entry(label, kind, world_group(comm), phase=phase,
+                          peer=None if peer is None else peer_world(comm, peer)),
       note_shape, note_dtype)
   target, names = _TARGETS[exchange]
   operands = () if payload is None else (payload,)
@@ -95,17 +136,73 @@ def issue(exchange: str, comm: Communicator, payload: Any, after: Any, *, shape:
                          comm_handle=int(to_mpi_handle(comm.device_comm)), attrs=params,
                          count=int(count), shape=tuple(int(d) for d in shape),
                          dtype=np.dtype(dtype), wire=np.dtype(dtype if wire is None else wire),
-                         aliased=exchange == "bcast")
+                         aliased=exchange == "bcast", check=check)
+
+
+def record(comm: Communicator, what: str, shape: Any, dtype: Any) -> trace_check.StepCheck | None:
+  """Notes one sequence entry of a step that exchanges over `comm`: in the recording
+  `mnjax.functions.jit` opened (returns None), else in the `StepCheck` of the step traced
+  under plain ``jax.jit`` (returned: the primitive carries it, its lowering runs it).
+
+  Example:
+    >>> record(comm, "mnjax.functions.send <mnjax.functions send peer=1 phase=forward"
+    ...      " group=0,1>", (3,), "float32") is None          # doctest: +SKIP
+    False
+  """
+  if sequence.recording_open():
+    sequence.note_collective(what, shape, dtype)
+    return None
+  check = trace_check.current()
+  check.note(comm, (what, tuple(int(d) for d in shape), str(dtype)))
+  return check
+
+
+class _Dry(threading.local):
+  on = False
+
+
+_DRY = _Dry()
+
+
+@contextlib.contextmanager
+def dry() -> Iterator[None]:
+  """While the block runs, `issue` neither notes nor binds anything: it returns zeros of
+  the exchange's shape (to learn a refused call's result shape: `_checks.stand_in`).
+
+  Example:
+    >>> with dry():
+    ...   issue("allgather", comm, jnp.ones(3), None, shape=(1, 3), dtype=jnp.float32,
+    ...         count=3, label="allgather", note=("collective", None, None, (3,), "float32"))
+    Array([[0., 0., 0.]], dtype=float32)
+  """
+  _DRY.on = True
+  try:
+    yield
+  finally:
+    _DRY.on = False
+
+
+def check_only(check: trace_check.StepCheck | None) -> None:
+  """Makes the lowering of a step whose refused call issues no exchange run `check` (which
+  names the refusal on every rank); nothing when `mnjax.functions.jit` checks the step.
+
+  Example:
+    >>> check_only(None)
+  """
+  if check is not None:
+    _check_p.bind(np.zeros((), np.float32), check=check)
 
 
 def _abstract(*operands, shape, dtype, **_):
   del operands
-  return ShapedArray(shape, dtype)
+  return ShapedArray(shape, dtype), {_EFFECT}
 
 
 def _lower_cpu(ctx, *operands, target, comm_handle, attrs, count, shape, dtype, wire,
-               aliased):
+               aliased, check):
   del shape, dtype
+  if check is not None:
+    check.run()  # the pairing check of a plain jax.jit step: before it ever runs
   mpi_ops._register_native()  # one registration for every handler
   kw = {"operand_output_aliases": {0: 0}} if aliased else {}
   lowering = ffi.ffi_lowering(target, has_side_effect=True, **kw)
@@ -132,8 +229,18 @@ def _no_differentiation(*args, **kwargs):
       " (mnjax.functions.send, recv, bcast, ...); the raw primitive has no derivative.")
 
 
+def _lower_check(ctx, zero, *, check):
+  del ctx
+  check.run()
+  return [zero]
+
+
 exchange_p = Primitive("mnjax_exchange")
-exchange_p.def_abstract_eval(_abstract)
+exchange_p.def_effectful_abstract_eval(_abstract)
+_check_p = Primitive("mnjax_exchange_check")  # a refused call's stand-in: the check alone
+_check_p.def_effectful_abstract_eval(
+    lambda zero, **_: (ShapedArray((), np.float32), {_CHECK_EFFECT}))
+mlir.register_lowering(_check_p, _lower_check)
 mlir.register_lowering(exchange_p, _lower_cpu, platform="cpu")
 mlir.register_lowering(exchange_p, _lower_gpu, platform="cuda")
 ad.primitive_jvps[exchange_p] = _no_differentiation

@@ -18,8 +18,10 @@ The exchanges note themselves in the step's collective sequence (`mnjax.comm._se
 ordinary ``(what, shape, dtype)`` entries whose ``what`` ends in a tag `entry` writes and
 `parse` reads: ``<mnjax.functions send peer=1 phase=forward group=0,1>``, peers and groups
 in ``MPI.COMM_WORLD`` ranks so that exchanges over sub-communicators pair up in a step
-checked over another communicator. Entries without a tag (SyncBatchNorm layers, gradient
-buckets) are collectives over every rank of the checked communicator. A call refused while
+checked over another communicator; a gradient bucket over a sub-communicator carries a
+``collective`` tag with its ranks (`mnjax.comm._sequence.note_collective`'s ``over``).
+Entries without a tag (SyncBatchNorm layers, buckets over the whole job) are collectives
+over every rank of the checked communicator. A call refused while
 its step is traced (a peer outside the communicator, on one rank only) notes a ``refused``
 entry instead of raising there, so that every rank raises it together here.
 """
@@ -38,6 +40,7 @@ _TAG = re.compile(
     r" <mnjax\.functions (?P<kind>send|recv|collective|refused)"
     r"(?: peer=(?P<peer>\d+))?(?: phase=(?P<phase>\w+))? group=(?P<group>[\d,]*)>$")
 _LIMIT = 4  # problems named in one message
+_UNTAGGED = "every rank"  # the phase of an untagged entry (SyncBatchNorm, a gradient bucket)
 
 
 class ExchangeError(ValueError):
@@ -168,7 +171,7 @@ class _Run:
     self.world = world
     everyone_group = tuple(world)
     self.seqs = [[parse(what, shape, dtype) or Exchange(
-        "collective", what, None, None, everyone_group, tuple(shape), dtype)
+        "collective", what, None, _UNTAGGED, everyone_group, tuple(shape), dtype)
         for what, shape, dtype in seq] for seq in everyone]
     self.pos = [0] * len(everyone)
 
@@ -236,7 +239,11 @@ class _Run:
         return f"{where} is over ranks {members}, which do not include rank {r}"
       others = [f"rank {m} at {_at(self.head(m), self)}" for m in members
                 if not _same(self.head(m), e)]
-      return f"{where} waits for {', '.join(others)}"
+      hint = "" if e.phase != _UNTAGGED else (
+          " (a collective that names no ranks, such as a SyncBatchNorm layer's, reads as one"
+          " over every rank of the checked communicator: one over a sub-communicator"
+          " cannot pair in a model-parallel step)")
+      return f"{where} waits for {', '.join(others)}{hint}"
     q = self.rank(e.peer)
     f = self.head(q)
     if e.kind == "recv" and f is not None and f.kind == "send" and self.rank(f.peer) == r:

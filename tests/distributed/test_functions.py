@@ -2,7 +2,9 @@
 
 Runs as one process and under mpirun -n 2 and -n 3 (tests/jobs/test_mpirun.py). The
 two-rank chain uses ranks 0 and 1; further ranks run an empty step (the pre-flight check is
-collective over the communicator). Each test compiles at most one step per rank.
+collective over the communicator). Each test compiles at most one step per rank. `JITS`:
+each step is built with plain ``jax.jit`` (checked when lowered) and with
+`mnjax.functions.jit` (checked when traced).
 """
 
 import jax
@@ -36,8 +38,17 @@ def idle(comm):
   return F.jit(lambda: jnp.zeros(()), comm)()
 
 
+def plain(fn, comm):
+  del comm
+  return jax.jit(fn)
+
+
+JITS = pytest.mark.parametrize("jit", [plain, F.jit], ids=["jax.jit", "functions.jit"])
+
+
 @multi_rank
-def test_two_rank_chain_gradient_equals_single_process(comm):
+@JITS
+def test_two_rank_chain_gradient_equals_single_process(comm, jit):
   """Rank 0: f, send; rank 1: recv, g, loss. Gradients equal the single-process ones (1e-6)
   and the central differences of the distributed forward (which rank 1 sends back)."""
   like = jax.ShapeDtypeStruct((3,), jnp.float32)
@@ -57,13 +68,13 @@ def test_two_rank_chain_gradient_equals_single_process(comm):
     return value, grad
 
   if comm.rank == 0:
-    grad, losses = F.jit(stage0, comm)(P)
+    grad, losses = jit(stage0, comm)(P)
     want = jax.grad(lambda p: second(Q, first(p, X)))(P)
     np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-6)
     central = (losses[:3] - losses[3:]) / (2 * EPS)
     np.testing.assert_allclose(grad, central, rtol=2e-2, atol=2e-3)
   elif comm.rank == 1:
-    value, grad = F.jit(stage1, comm)(Q)
+    value, grad = jit(stage1, comm)(Q)
     want_value, want = jax.value_and_grad(lambda q: second(q, first(P, X)))(Q)
     np.testing.assert_allclose(value, want_value, rtol=1e-6)
     np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-6)
@@ -71,7 +82,8 @@ def test_two_rank_chain_gradient_equals_single_process(comm):
     idle(comm)
 
 
-def test_collectives_forward_and_gradient_match_numpy(comm):
+@JITS
+def test_collectives_forward_and_gradient_match_numpy(comm, jit):
   """Each collective's result and the gradient of the ranks' summed losses (each rank
   differentiates its own, the backward exchanges combine them) against numpy."""
   n, r = comm.size, comm.rank
@@ -97,7 +109,7 @@ def test_collectives_forward_and_gradient_match_numpy(comm):
 
   inputs = {"allgather": x[r], "alltoall": xs[r], "bcast": x[r], "gather": x[r],
             "scatter": xs[r]}
-  grads, outs = F.jit(jax.grad(losses, has_aux=True), comm)(inputs)
+  grads, outs = jit(jax.grad(losses, has_aux=True), comm)(inputs)
 
   stacked = np.stack([x[s] for s in range(n)])
   np.testing.assert_array_equal(outs["allgather"], stacked)
@@ -117,6 +129,38 @@ def test_collectives_forward_and_gradient_match_numpy(comm):
       grads["scatter"], np.stack([d[s] for s in range(n)]) if r == 0 else zeros(xs[r]))
 
 
+@multi_rank
+def test_an_allreduce_over_a_sub_communicator_pairs_in_a_checked_step(comm):
+  """Data x model parallelism in one mnjax.functions.jit step over the job: rank 0 sends,
+  rank 1 receives, then allreduce_gradients over a sub-communicator: rank 1 alone, the
+  others together (ranks 0 and 2 under mpirun -n 3; 2 x 2 in experiments/dual_parallel.py).
+  Its buckets name their ranks, so they pair instead of reading as one collective over
+  every rank (rank 1 has none); the updates are the single-process replica means."""
+  n, r = comm.size, comm.rank
+  tx = mnjax.allreduce_gradients(comm.split(color=int(r == 1), key=r))
+  like = jax.ShapeDtypeStruct((3,), jnp.float32)
+  loss1 = lambda q, h: second(q[:3], h) + q[3]  # 4 parameters: a bucket of another size
+  q4 = np.append(Q, np.float32(1.0))
+  replica = lambda p: jnp.sum(first(p, X) ** 3)  # ranks >= 2: no exchange
+
+  def step(p):
+    if r == 0:
+      grads = jax.grad(lambda p: F.send(first(p, X), comm, 1))(p)
+    elif r == 1:
+      grads = jax.grad(lambda q: loss1(q, F.recv(comm, 0, like)))(p)
+    else:
+      grads = jax.grad(replica)(p)
+    return tx.update(grads, tx.init(p))[0]
+
+  got = F.jit(step, comm)(q4 if r == 1 else P)
+  if r == 1:
+    want = jax.grad(lambda q: loss1(q, first(P, X)))(q4)
+  else:
+    g0 = jax.grad(lambda p: loss1(q4, first(p, X)))(P)
+    want = (g0 + (n - 2) * jax.grad(replica)(P)) / (n - 1)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 BAD = {
     "shape": "the shapes or dtypes differ",
     "both send first": "both send first",
@@ -126,8 +170,9 @@ BAD = {
 
 
 @multi_rank
+@JITS
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_mismatched_exchanges_raise_the_same_error_on_every_rank(comm, case):
+def test_mismatched_exchanges_raise_the_same_error_on_every_rank(comm, case, jit):
   """A send without its recv (wrong shape, a peer that sends too, a rank outside the
   communicator, a receive from another rank): the same ExchangeError on every rank,
   raised by the pre-flight check before anything is exchanged (no hang)."""
@@ -145,29 +190,65 @@ def test_mismatched_exchanges_raise_the_same_error_on_every_rank(comm, case):
       return F.recv(comm, 0, like).sum()
     return jnp.zeros(())
 
+  exchanges = r == 0 or (r == 1 and (case != "wrong peer" or n > 2))
+  if jit is plain and not exchanges:  # a plain jax.jit step without an exchange takes no
+    jit = F.jit                       # part in the check: such a rank joins it this way
   with pytest.raises(F.ExchangeError, match=BAD[case]) as raised:
-    F.jit(step, comm)(jnp.ones(3))
-  text = comm.mpi_comm.allgather(str(raised.value))
+    jit(step, comm)(jnp.ones(3))
+  text = comm.mpi_comm.allgather(str(raised.value).split(": ", 1)[1])  # after the caller
   assert all(t == text[0] for t in text), text  # the same message on every rank
 
 
 @multi_rank
-def test_traced_outside_a_checked_step_is_refused_on_every_rank(comm):
-  """Plain jax.jit over several ranks: nothing could check the pairing, so every rank
-  refuses while tracing (before any exchange)."""
-  with pytest.raises(RuntimeError, match="outside a checked step"):
-    jax.jit(lambda x: F.send(x, comm, (comm.rank + 1) % comm.size))(jnp.ones(2))
+def test_an_exchange_outside_any_jitted_step_is_refused(comm):
+  """Eagerly there is no step to check: every rank that calls refuses at once."""
+  with pytest.raises(RuntimeError, match="outside any traced step"):
+    F.send(jnp.ones(2), comm, (comm.rank + 1) % comm.size)
+
+
+def ring(comm):
+  return lambda x: F.send(x, comm, (comm.rank + 1) % comm.size)
 
 
 @multi_rank
-def test_exchange_inside_a_loop_body_is_refused_on_every_rank(comm):
-  """An exchange inside lax.scan runs once per iteration but is traced once: refused."""
-  def step(x):
-    y, _ = jax.lax.scan(lambda c, _: (F.allgather(c, comm)[0], None), x, None, length=2)
-    return F.allgather(y, comm)
+def test_a_plain_jax_jit_step_is_checked_before_it_runs(comm):
+  """Plain jax.jit: the pairing check runs when the step is lowered (here by .lower(), the
+  first call would do the same), on every rank, before anything is exchanged: a ring on
+  which every rank sends first is refused; every later lowering refuses it again."""
+  lowered = jax.jit(ring(comm)).trace(jnp.ones(2))  # traced: nothing checked, nothing sent
+  with pytest.raises(F.ExchangeError, match="both send first") as raised:
+    lowered.lower()
+  with pytest.raises(F.ExchangeError, match="both send first"):
+    lowered.lower()  # no second check round: the same refusal
+  text = comm.mpi_comm.allgather(str(raised.value))
+  assert all(t == text[0] for t in text), text
 
-  with pytest.raises(F.ExchangeError, match="lax.scan"):
-    F.jit(step, comm)(jnp.ones(2))
+
+BODIES = {
+    "lax.scan": lambda f, x: jax.lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0],
+    "lax.cond": lambda f, x: jax.lax.cond(x[0] > 0, f, lambda c: c, x),
+    "lax.while_loop": lambda f, x: jax.lax.while_loop(
+        lambda c: c[1] < 2, lambda c: (f(c[0]), c[1] + 1), (x, 0))[0],
+}
+
+
+@multi_rank
+@pytest.mark.parametrize("body", sorted(BODIES))
+def test_exchange_inside_a_control_flow_body_is_refused_on_every_rank(comm, body):
+  """An exchange in a lax.scan, lax.cond or lax.while_loop body runs as often as the loop
+  (or the branch) says, not as traced: refused on every rank (one rank's cond here), plain
+  jax.jit and mnjax.functions.jit alike."""
+  gather = lambda c: F.allgather(c, comm)[0]
+  def step(x):
+    if body == "lax.cond" and comm.rank > 0:
+      return gather(x)  # the other ranks exchange at the top level
+    return BODIES[body](gather, x)
+
+  jit = F.jit if body == "lax.scan" else plain
+  with pytest.raises(F.ExchangeError, match=f"inside a {body}") as raised:
+    jit(step, comm)(jnp.ones(2))
+  text = comm.mpi_comm.allgather(str(raised.value))
+  assert all(t == text[0] for t in text), text
 
 
 def test_bad_arguments_raise_at_the_call(comm):
@@ -186,7 +267,7 @@ def test_multi_device_kinds_are_refused(comm):
   """Only 'flat' (one device per process): the other kinds say so when a function is called."""
   del comm
   hierarchical = mnjax.create_communicator("hierarchical")
-  with pytest.raises(ValueError, match="kind 'flat'"):
+  with pytest.raises(ValueError, match="kind 'flat'.*Instead: launch one process per device"):
     F.allgather(jnp.ones(2), hierarchical)
   with pytest.raises(ValueError, match="kind 'flat'"):
     F.jit(lambda x: x, hierarchical)
