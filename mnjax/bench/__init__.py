@@ -40,5 +40,7 @@ the dated results are in docs/results/, the JSON they come from in docs/results/
 * ``python -m mnjax.bench cluster``: the gradient exchange between emulated nodes over
   shaped links (`mnjax.cluster`, needs root): unshaped, 1 and 10 Gbit/s, 2 and 4 nodes; per
   kind and wire the uplink bytes and exchange time, measured and predicted by
-  `mnjax.costmodel.link` fitted on the same link.
+  `mnjax.costmodel.link` fitted on the same link; then the digits CNN and a ResNet-10 step
+  per kind at 1 Gbit/s, with double buffering and backprop-order buckets against plain
+  (``--parts step``: that part alone).
 """

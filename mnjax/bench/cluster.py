@@ -2,6 +2,12 @@
 
     python -m mnjax.bench cluster                         # none, 1gbit, 10gbit x 2, 4 nodes
     python -m mnjax.bench cluster --rates 1gbit --nodes 2 --quick
+    python -m mnjax.bench cluster --parts step            # train steps at 1gbit x 2, 4 nodes
+
+Two parts (``--parts exchange,step``, both by default); the step part (train steps of the
+digits CNN and a ResNet-10 per kind, double buffering and backprop-order buckets against
+plain `allreduce_gradients`, at ``--step-rates``) is `mnjax.bench.cluster_step`'s. The
+exchange part:
 
 Needs root. Per rate (``none``: the unshaped ceiling of this box's veth/TCP) and node count,
 four jobs, each `mnjax.bench.cluster_worker` under ``python -m mnjax.cluster run``:
@@ -15,13 +21,15 @@ The step exchanges a flat float32 vector and applies SGD; its cost without the e
 timed in the same job and subtracted: the exchange time. Alpha and bandwidth are fitted
 (`mnjax.costmodel.link.fit`) on the 1-16 MB points only, then every 102 MB figure is
 predicted from the uplink bytes the model gives (`uplink_bytes`), before it is compared.
-Prints one table per rate and node count and writes ``runs/bench/cluster.json``.
+Prints one table per rate and node count and writes ``runs/bench/cluster.json`` (both
+parts: ``points``, ``step_points``; rewritten after every step point).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,19 +41,25 @@ RESNET50 = 25_557_032          # float32 parameters: 102 MB
 FIT = (250_000, 1_000_000, 2_000_000, 4_000_000)   # 1, 4, 8 and 16 MB
 
 
-def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, folder):
-  out = Path(folder) / f"{kind}-{ranks_per_node}-{rate}-{nodes}.json"
+def cluster_job(worker: list[str], *, nodes, rate, ranks_per_node, devices) -> None:
+  """Runs ``python -m <worker...>`` as one MPI job across emulated nodes; exits on failure."""
   cmd = [sys.executable, "-m", "mnjax.cluster", "run", "--nodes", str(nodes), "--rate", rate,
          "--ranks-per-node", str(ranks_per_node), "--timeout", "900"]
   if devices:
     cmd += ["--devices-per-rank", str(devices)]
-  cmd += ["--", sys.executable, "-m", "mnjax.bench.cluster_worker", "--kind", kind,
-          "--params", ",".join(map(str, sizes)), "--wire", ",".join(wires), "--baseline",
-          "--steps", str(steps), "--out", str(out)]
+  cmd += ["--", sys.executable, "-m", *worker]
   proc = subprocess.run(cmd, capture_output=True, text=True)
   if proc.returncode != 0:
     raise SystemExit(f"cluster job failed ({proc.returncode}): {' '.join(cmd)}\n"
                      f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+
+
+def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, folder):
+  out = Path(folder) / f"{kind}-{ranks_per_node}-{rate}-{nodes}.json"
+  cluster_job(["mnjax.bench.cluster_worker", "--kind", kind, "--params",
+               ",".join(map(str, sizes)), "--wire", ",".join(wires), "--baseline", "--steps",
+               str(steps), "--out", str(out)],
+              nodes=nodes, rate=rate, ranks_per_node=ranks_per_node, devices=devices)
   runs = json.loads(out.read_text())["runs"]
   base = {r["params"]: r["seconds_per_step"] for r in runs if r["wire"] == "none"}
   return [{"kind": kind, "ranks_per_node": ranks_per_node, "params": r["params"],
@@ -53,6 +67,26 @@ def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, fol
            "step_s": r["seconds_per_step"],
            "tx_bytes": r["nodes"][0]["tx_bytes"] if r["nodes"] else None}
           for r in runs if r["wire"] != "none"]
+
+
+def fit_link(rows, *, nodes, rate, sizes=FIT, relative=False) -> link.LinkFit | None:
+  """alpha and bandwidth from the ``flat`` one-rank-per-node fp32 rows (`_job`) of `sizes`
+  (`link.fit`); None (and says why) where the link is not the bottleneck."""
+  fits = [r for r in rows if r["kind"] == "flat" and r["ranks_per_node"] == 1
+          and r["wire"] == "fp32" and r["params"] in sizes]
+  try:
+    return link.fit([link.uplink_bytes("flat", 4 * r["params"], nodes=nodes)
+                     for r in fits], [r["exchange_s"] for r in fits], relative=relative)
+  except ValueError as e:   # the unshaped link: the cores, not the link, may set the time
+    print(f"no link fit at {rate}, {nodes} nodes: {e}")
+    return None
+
+
+def fit_job(*, nodes, rate, steps, folder, sizes=FIT, relative=False) -> link.LinkFit | None:
+  """The link's fit from a job of the exchanges of `sizes` float32 parameters alone."""
+  return fit_link(_job("flat", sizes, ["fp32"], nodes=nodes, rate=rate, ranks_per_node=1,
+                       devices=None, steps=steps, folder=folder),
+                  nodes=nodes, rate=rate, sizes=sizes, relative=relative)
 
 
 def _point(nodes, rate, steps, folder, big):
@@ -64,14 +98,7 @@ def _point(nodes, rate, steps, folder, big):
                ranks_per_node=1, devices=2, steps=steps, folder=folder)
   rows += _job("two_dimensional", [big], ["fp32"], nodes=nodes, rate=rate, ranks_per_node=1,
                devices=2, steps=steps, folder=folder)
-  fits = [r for r in rows if r["kind"] == "flat" and r["ranks_per_node"] == 1
-          and r["wire"] == "fp32" and r["params"] in FIT]
-  try:
-    f = link.fit([link.uplink_bytes("flat", 4 * r["params"], nodes=nodes)
-                  for r in fits], [r["exchange_s"] for r in fits])
-  except ValueError as e:   # the unshaped link: the cores, not the link, may set the time
-    print(f"no link fit at {rate}, {nodes} nodes: {e}")
-    f = None
+  f = fit_link(rows, nodes=nodes, rate=rate)
   for r in rows:
     bits = 16 if r["wire"] == "bf16" else 32
     r["predicted_bytes"] = link.uplink_bytes(r["kind"], 4 * r["params"], nodes=nodes,
@@ -124,23 +151,50 @@ def main(argv: list[str]) -> None:
   p.add_argument("--nodes", default="2,4", help="node counts")
   p.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
   p.add_argument("--quick", action="store_true", help="a 16 MB 'large' exchange instead of 102 MB")
+  p.add_argument("--parts", default="exchange,step",
+                 help="exchange (the flat-vector exchanges), step (train steps), or both")
+  p.add_argument("--step-rates", default="1gbit",
+                 help="rates of the step part (10gbit is core-bound on 2 cores)")
+  p.add_argument("--models", default="cnn,resnet", help="the step part's models: cnn, resnet")
+  p.add_argument("--rounds", type=int, default=3, help="the step part's timed rounds")
   p.add_argument("--out", default="runs/bench/cluster.json")
   args = p.parse_args(argv)
+  parts = set(args.parts.split(","))
+  if not parts or not parts <= {"exchange", "step"}:
+    raise SystemExit(f"--parts: exchange and/or step, got {args.parts!r}")
   from mnjax.cluster import ClusterError, check_available
   try:
     check_available()
   except ClusterError as e:
     raise SystemExit(f"python -m mnjax.bench cluster: {e}") from None
+  from mnjax.bench import cluster_step
   big = 4_000_001 if args.quick else RESNET50
-  points = []
+  node_counts = [int(n) for n in args.nodes.split(",")]
+  points, step_points, load = [], [], [os.getloadavg()[0]]
   with tempfile.TemporaryDirectory(prefix="mnjax-bench-cluster-") as folder:
-    for rate in args.rates.split(","):
-      for nodes in (int(n) for n in args.nodes.split(",")):
-        points.append(_point(nodes, rate, args.steps, folder, big))
-        _print(points[-1])
-  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps({"points": points}, indent=1))
-  print(f"\nwrote {args.out}")
+    if "exchange" in parts:
+      for rate in args.rates.split(","):
+        for nodes in node_counts:
+          points.append(_point(nodes, rate, args.steps, folder, big))
+          _print(points[-1])
+    if "step" in parts:
+      for rate in args.step_rates.split(","):
+        for nodes in node_counts:
+          fit = fit_job(nodes=nodes, rate=rate, steps=args.steps, folder=folder,
+                        sizes=cluster_step.FIT, relative=True)
+          step_points.append(cluster_step.step_point(nodes, rate, fit, args, folder))
+          cluster_step.print_point(step_points[-1])
+          _write(args.out, points, step_points, argv, load)   # each point as it comes
+  load.append(os.getloadavg()[0])
+  _write(args.out, points, step_points, argv, load)
+  print(f"\nload average (1 min) {load[0]:.1f} -> {load[1]:.1f}; wrote {args.out}")
+
+
+def _write(out, points, step_points, argv, load):
+  Path(out).parent.mkdir(parents=True, exist_ok=True)
+  Path(out).write_text(json.dumps(
+      {"points": points, "step_points": step_points, "command": ["python", "-m", "mnjax.bench",
+       "cluster", *argv], "load_average_1min": [round(x, 2) for x in load]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -88,18 +88,25 @@ class LinkFit:
     return self.alpha + sent / self.bandwidth
 
 
-def fit(bytes_per_node, seconds) -> LinkFit:
+def fit(bytes_per_node, seconds, *, relative: bool = False) -> LinkFit:
   """Least-squares alpha and bandwidth from (uplink bytes per exchange, seconds) points.
+
+  `relative`: minimise relative, not absolute, errors (each point weighted by 1/seconds), so
+  that points of 64 kB count as much as those of 16 MB: alpha is then set by the small
+  messages, as a step's small buckets need it.
 
   >>> f = fit([1e6, 1e7, 1e8], [0.011, 0.02, 0.11])
   >>> round(f.alpha, 3), round(f.bandwidth / 1e9, 2)
   (0.01, 1.0)
+  >>> b, t = [1e5, 1e6, 1e7, 1e8], [0.002, 0.011, 0.10, 1.2]   # 1 ms + 100 MB/s, 100 MB slow
+  >>> [round(fit(b, t, relative=r).alpha * 1e3, 2) for r in (False, True)]   # ms
+  [0.0, 0.93]
   """
   b = np.asarray(bytes_per_node, float)
   t = np.asarray(seconds, float)
   if b.shape != t.shape or b.size < 2 or np.any(t <= 0):
     raise ValueError(f"need two or more (bytes, seconds > 0) points; got {b.size}, {t.size}")
-  slope, alpha = np.polyfit(b, t, 1)
+  slope, alpha = np.polyfit(b, t, 1, w=1 / t if relative else None)
   if slope <= 0:
     raise ValueError("the exchange time does not grow with the bytes: the link is not the "
                      "bottleneck (fewer ranks, a lower rate, or larger messages)")

@@ -19,7 +19,8 @@ NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 FIGURES = {
     "quickstart": ["quickstart_loss"],
     "scaling": ["allreduce_bandwidth", "measured_efficiency", "validation_sensitivity",
-                "predicted_efficiency", "predicted_overlap", "predicted_compiled"],
+                "predicted_efficiency", "predicted_overlap", "predicted_compiled",
+                "cluster_link"],
 }
 
 
