@@ -1,7 +1,8 @@
 """The multi-node model end to end, on 2 ranks (tests/jobs/test_multi_node_model.py):
 ChainerMN's model-parallel MNIST shape (stages on ranks [0, 1, 0]) against the
 single-process model, per-stage optimizers, a per-rank checkpoint resumed bitwise, and
-GPipe micro-batching over stages on [0, 1]. Prints one JSON line per rank.
+GPipe micro-batching over stages on [0, 1]. Each rank writes WORKDIR/result-RANK.json
+(a file, not stdout: two ranks' lines can interleave on a shared pipe).
 
     mpirun -n 2 python tests/support/multi_node_model_job.py WORKDIR
 """
@@ -143,7 +144,8 @@ def main(workdir):
     result["cyclic_gpipe"] = "accepted"
   except mnjax.model_parallel.ScheduleError as error:
     result["cyclic_gpipe"] = "refused" if "deadlock" in str(error) else str(error)
-  print(json.dumps(result), flush=True)
+  with open(f"{workdir}/result-{comm.rank}.json", "w") as f:
+    json.dump(result, f)
 
 
 if __name__ == "__main__":
