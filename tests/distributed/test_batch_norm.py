@@ -51,6 +51,18 @@ def data(replicas):
   return images, rng.integers(0, 10, n).astype(np.int32)
 
 
+@functools.cache
+def branchy_variables(seed):
+  """Branchy's variables for `data`'s images, built once per seed (and the same on every rank).
+
+  Jitted, from an ``rbg`` key: the threefry initialisers cost 5-8 s of CPU to compile (jitted
+  or op by op), these under 2 s. No check here depends on the random values.
+  """
+  images, _ = data(1)
+  return jax.jit(functools.partial(Branchy().init, train=False))(
+      jax.random.key(seed, impl="rbg"), images[:2])
+
+
 def mine(comm, array):
   rows = PER_REPLICA * comm.local_device_count
   return array[comm.rank * rows:(comm.rank + 1) * rows]
@@ -62,8 +74,12 @@ def replica_losses(logits, labels):
   return per_example.reshape(-1, PER_REPLICA).mean(1).sum()
 
 
-def reference(variables, images, labels, momentum):
-  """flax BatchNorm in one process on the concatenated global batch."""
+@functools.cache
+def reference(replicas, momentum):
+  """flax BatchNorm in one process on the concatenated global batch of `replicas` replicas:
+  logits, statistics, parameter and input gradients (kinds with as many replicas share it)."""
+  variables = branchy_variables(0)
+  images, labels = data(replicas)
   model = Branchy(momentum=momentum)
 
   def loss(params, x):
@@ -102,30 +118,81 @@ def close(a, b, tol=1e-5):
     np.testing.assert_allclose(x, y, rtol=tol, atol=tol * max(1.0, float(np.abs(y).max())))
 
 
-@pytest.mark.parametrize("momentum", [0.9, 0.0])
 @pytest.mark.parametrize("kind", KINDS)
-def test_forward_statistics_and_gradients_equal_batch_norm_on_the_global_batch(kind, momentum):
+def test_forward_statistics_and_gradients_equal_batch_norm_on_the_global_batch(kind):
   kc = mnjax.create_communicator(kind)
   images, labels = data(kc.num_replicas)
-  variables = Branchy().init(jax.random.key(0), images[:2], train=False)
-  logits, stats, g_params, g_images = reference(variables, images, labels, momentum)
+  variables = branchy_variables(0)
+  logits, stats, g_params, g_images = reference(kc.num_replicas, 0.9)
 
-  got_stats, got_grads, got_logits, got_g_images = synced_step(kc, momentum)(
+  got_stats, got_grads, got_logits, got_g_images = synced_step(kc, 0.9)(
       variables, mine(kc, images), mine(kc, labels))
   # Per-device outputs come back stacked, one row per local device: flatten to examples.
   close(np.concatenate(got_logits), mine(kc, logits))
   close(np.concatenate(got_g_images), mine(kc, g_images))
   close(got_grads, g_params)
-  # momentum 0.0 (Akiba et al.): the stored statistics are the last global minibatch's.
   close(got_stats, stats)
   assert not np.allclose(stats["norm5"]["mean"], variables["batch_stats"]["norm5"]["mean"])
+
+
+@functools.cache
+def momentum_zero_reference(replicas):
+  """flax BatchNorm(momentum=0.0)'s forward pass on the global batch: logits, statistics."""
+  images, _ = data(replicas)
+  logits, new = jax.jit(functools.partial(Branchy(momentum=0.0).apply, train=True,
+                                          mutable=["batch_stats"]))(branchy_variables(0), images)
+  return logits, new["batch_stats"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_momentum_zero_stores_the_last_global_batch_statistics(kind):
+  # Akiba et al.: with momentum 0.0 the stored statistics are the last global minibatch's.
+  # The momentum enters only the update of the stored statistics (mnjax/nn/_batch_norm.py),
+  # so the gradients are those of the test above: forward steps (flax's on the global batch,
+  # SyncBatchNorm's on this rank's) check the outputs and the statistics.
+  kc = mnjax.create_communicator(kind)
+  images, _ = data(kc.num_replicas)
+  variables = branchy_variables(0)
+  logits, stats = momentum_zero_reference(kc.num_replicas)
+  model = Branchy(norm=functools.partial(mnjax.SyncBatchNorm, kc), momentum=0.0)
+  forward = mnjax.data_parallel(
+      lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]), kc,
+      batch_argnums=(1,), per_device_outputs=(0,))
+  got_logits, got = forward(variables, mine(kc, images))
+  close(np.concatenate(got_logits), mine(kc, logits))
+  close(got["batch_stats"], stats)
+  assert not np.allclose(stats["norm5"]["mean"], variables["batch_stats"]["norm5"]["mean"])
+
+
+@functools.cache
+def sgd_reference(replicas, steps):
+  """`steps` SGD steps of flax BatchNorm in one process on the global batch of `replicas`
+  replicas: (parameters, statistics) (kinds with as many replicas share it)."""
+  images, labels = data(replicas)
+  model, tx = Branchy(), optax.sgd(0.1)
+
+  @jax.jit
+  def step(params, stats, opt_state):
+    def loss(params):
+      logits, new = model.apply({"params": params, "batch_stats": stats}, images,
+                                train=True, mutable=["batch_stats"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), new
+    grads, new = jax.grad(loss, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new["batch_stats"], opt_state
+
+  variables = branchy_variables(1)
+  state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+  for _ in range(steps):
+    state = step(*state)
+  return state[:2]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sgd_steps_keep_replicas_identical_and_match_single_process(kind):
   kc = mnjax.create_communicator(kind)
   images, labels = data(kc.num_replicas)
-  variables = Branchy().init(jax.random.key(1), images[:2], train=False)
+  variables = branchy_variables(1)
   tx = optax.chain(mnjax.allreduce_gradients(kc, bucket_bytes=64), optax.sgd(0.1))
   model = Branchy(norm=functools.partial(mnjax.SyncBatchNorm, kc))
 
@@ -139,24 +206,11 @@ def test_sgd_steps_keep_replicas_identical_and_match_single_process(kind):
     return optax.apply_updates(params, updates), new["batch_stats"], opt_state
 
   run = mnjax.data_parallel(step, kc, batch_argnums=(3, 4))
-  ref_model, ref_tx = Branchy(), optax.sgd(0.1)
-
-  @jax.jit
-  def ref_step(params, stats, opt_state):
-    def loss(params):
-      logits, new = ref_model.apply({"params": params, "batch_stats": stats}, images,
-                                    train=True, mutable=["batch_stats"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), new
-    grads, new = jax.grad(loss, has_aux=True)(params)
-    updates, opt_state = ref_tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new["batch_stats"], opt_state
-
   params, stats = variables["params"], variables["batch_stats"]
-  state, ref = (params, stats, tx.init(params)), (params, stats, ref_tx.init(params))
+  state = (params, stats, tx.init(params))
   for _ in range(3):
     state = run(*state, mine(kc, images), mine(kc, labels))
-    ref = ref_step(*ref)
-  close(state[:2], ref[:2], tol=1e-4)
+  close(state[:2], sgd_reference(kc.num_replicas, 3), tol=1e-4)
   digest = hashlib.sha256(b"".join(np.asarray(v).tobytes()
                                    for v in jax.tree.leaves(state[:2]))).hexdigest()
   assert len(set(kc.mpi_comm.allgather(digest))) == 1
@@ -185,6 +239,19 @@ def mixed16_gradients(model, variables, x, y):
   return jax.grad(loss)(variables["params"])
 
 
+@functools.cache
+def mixed16_case(replicas):
+  """ChainerMN's inputs for `replicas` replicas, the variables and the reference gradients
+  (kinds with as many replicas share them)."""
+  rng = np.random.RandomState(71)
+  x = rng.random_sample((8 * replicas, 3)).astype(np.float16)
+  y = np.zeros(8 * replicas, np.int32)
+  variables = Mixed16().init(jax.random.key(0), x)
+  want = jax.tree.map(lambda g: g / replicas,
+                      jax.jit(functools.partial(mixed16_gradients, Mixed16()))(variables, x, y))
+  return x, y, variables, want
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_mixed16_gradients_match_whole_batch_norm_within_chainermn_tolerance(kind):
   # ChainerMN's check_multi_node_bn with dtype=chainer.mixed16 (8 examples of 3 features per
@@ -197,13 +264,8 @@ def test_mixed16_gradients_match_whole_batch_norm_within_chainermn_tolerance(kin
   # the norm gradients by up to ~3e-4 at 3 ranks, however the norm computes (ChainerMN's CI
   # runs this test at 1 and 2 processes only). Statistics or their backward in float16 fail.
   kc = mnjax.create_communicator(kind)
-  rng = np.random.RandomState(71)
-  x = rng.random_sample((8 * kc.num_replicas, 3)).astype(np.float16)
-  y = np.zeros(8 * kc.num_replicas, np.int32)
-  variables = Mixed16().init(jax.random.key(0), x)
+  x, y, variables, want = mixed16_case(kc.num_replicas)
   assert {str(v.dtype) for v in jax.tree.leaves(variables["params"])} == {"float16", "float32"}
-  want = jax.tree.map(lambda g: g / kc.num_replicas,
-                      jax.jit(functools.partial(mixed16_gradients, Mixed16()))(variables, x, y))
 
   def step(norm):
     model = Mixed16(norm=norm)
@@ -230,10 +292,12 @@ def test_mixed16_gradients_match_whole_batch_norm_within_chainermn_tolerance(kin
 def test_single_replica_matches_flax_batch_norm_and_its_variables():
   solo = mnjax.create_communicator("flat", MPI.COMM_SELF)
   images, _ = data(2)
-  variables = Branchy().init(jax.random.key(2), images[:2], train=False)
+  variables = branchy_variables(2)
   synced = Branchy(norm=functools.partial(mnjax.SyncBatchNorm, solo))
-  assert jax.tree.structure(synced.init(jax.random.key(2), images[:2], train=False)) == \
-      jax.tree.structure(variables)
+  shapes = jax.eval_shape(functools.partial(synced.init, train=False), jax.random.key(2),
+                          images[:2])
+  assert jax.tree.map(lambda v: (v.shape, v.dtype), shapes) == \
+      jax.tree.map(lambda v: (v.shape, v.dtype), variables)
   for train in (True, False):
     got = synced.apply(variables, images, train=train, mutable=["batch_stats"])
     want = Branchy().apply(variables, images, train=train, mutable=["batch_stats"])

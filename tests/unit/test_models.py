@@ -2,6 +2,7 @@
 zero-initialised residual branches, and the classifier state that carries batch statistics
 only for the models that have them."""
 
+import functools
 import math
 
 import jax
@@ -30,11 +31,34 @@ def test_parameter_counts_match_the_reference_architectures(model, leaves, count
   assert param_count(model, 224 if model.stem == "imagenet" else 32) == (leaves, count)
 
 
-def test_cifar_resnet_updates_its_batch_statistics_and_zero_initialises_residual_scales():
+@pytest.fixture(scope="module")
+def cifar_state():
+  """A CIFAR ResNet-18's train state on 8 x 8 images, built once for this module's tests.
+
+  Jitted, from an ``rbg`` key: ResNet-18's threefry initialisers cost about 10 s of CPU to
+  compile (op by op or jitted), rbg's about 3 s. Nothing here depends on the random values.
+  """
   model = ResNet18(num_classes=10, stem="cifar")
-  x = jax.random.normal(jax.random.key(1), (4, 32, 32, 3))
-  variables = model.init(jax.random.key(0), x, train=False)
-  logits, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+  return jax.jit(functools.partial(create_train_state, model, optax.sgd(0.1),
+                                   jnp.zeros((1, 8, 8, 3))))(jax.random.key(0, impl="rbg"))
+
+
+def variables_of(state):
+  return {"params": state.params, "batch_stats": state.batch_stats}
+
+
+@functools.cache
+def train_apply(model):
+  """``model.apply`` in training mode (updating the batch statistics), jitted once per model."""
+  return jax.jit(lambda variables, x: model.apply(variables, x, train=True,
+                                                  mutable=["batch_stats"]))
+
+
+def test_cifar_resnet_updates_its_batch_statistics_and_zero_initialises_residual_scales(
+    cifar_state):
+  variables = variables_of(cifar_state)
+  x = np.random.default_rng(1).normal(size=(4, 8, 8, 3)).astype(np.float32)
+  logits, updates = train_apply(ResNet18(num_classes=10, stem="cifar"))(variables, x)
   assert logits.shape == (4, 10) and np.all(np.isfinite(logits))
   changed = jax.tree.map(lambda a, b: not np.allclose(a, b), variables["batch_stats"],
                          updates["batch_stats"])
@@ -52,24 +76,23 @@ def test_unknown_stem_is_refused():
     ResNet18(stem="tiny").init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
 
 
-def test_resnet_bn_momentum_zero_keeps_only_the_last_batch_statistics():
-  x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
+def test_resnet_bn_momentum_zero_keeps_only_the_last_batch_statistics(cifar_state):
+  x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype(np.float32)
+  variables = variables_of(cifar_state)  # bn_momentum changes no variable
   for momentum, forgets in ((0.0, True), (0.9, False)):
-    model = ResNet18(num_classes=10, stem="cifar", bn_momentum=momentum)
-    variables = model.init(jax.random.key(0), x, train=False)
+    apply = train_apply(ResNet18(num_classes=10, stem="cifar", bn_momentum=momentum))
     shifted = jax.tree.map(lambda s: s + 1.0, variables["batch_stats"])
-    _, a = model.apply(variables, x, train=True, mutable=["batch_stats"])
-    _, b = model.apply({**variables, "batch_stats": shifted}, x, train=True,
-                       mutable=["batch_stats"])
+    _, a = apply(variables, x)
+    _, b = apply({**variables, "batch_stats": shifted}, x)
     same = all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     assert same == forgets
 
 
-def test_a_resnet_state_carries_batch_statistics_that_train_steps_update_and_eval_reads():
+def test_a_resnet_state_carries_batch_statistics_that_train_steps_update_and_eval_reads(
+    cifar_state):
   x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype(np.float32)
   y = np.arange(4, dtype=np.int32)
-  model = ResNet18(num_classes=10, stem="cifar")
-  state = create_train_state(model, optax.sgd(0.1), x[:1], jax.random.key(0))
+  state = cifar_state
   assert state.takes_train and state.batch_stats is not None
   trained, sums = train_step(state, x, y)
   assert int(sums["count"]) == 4 and int(trained.step) == 1
@@ -85,7 +108,7 @@ def test_a_resnet_state_carries_batch_statistics_that_train_steps_update_and_eva
 
 def test_a_model_without_batch_statistics_gets_none_and_is_called_without_train():
   state = create_train_state(SmallCNN(), optax.sgd(0.1), jnp.zeros((1, 8, 8, 1)),
-                             jax.random.key(0))
+                             jax.random.key(0, impl="rbg"))  # (rbg: cheaper to compile)
   assert state.batch_stats is None and not state.takes_train
   state, _ = train_step(state, jnp.zeros((2, 8, 8, 1)), jnp.zeros(2, jnp.int32))
   assert state.batch_stats is None
