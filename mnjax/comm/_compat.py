@@ -112,20 +112,34 @@ def usable_here(value):
   return None
 
 
+def _enclosing_traces():
+  """The trace JAX traces into now and those enclosing it (``parent_trace``), innermost first."""
+  trace = _jax_core.trace_ctx.trace
+  while trace is not None:
+    yield trace
+    trace = getattr(trace, "parent_trace", None)
+
+
+def _staging(trace) -> bool:
+  """Whether `trace` stages a jaxpr (``jax.jit``'s, a body's, a ``custom_vjp``'s trace), not
+  one that computes as it goes (eager evaluation, eager ``jax.grad``/``jvp``/``vmap``)."""
+  return getattr(trace, "frame", None) is not None  # a DynamicJaxprTrace's jaxpr being built
+
+
 def outermost_trace():
-  """The outermost trace enclosing the one JAX traces into now (following ``parent_trace``),
-  or None outside any trace: under ``jax.jit(f)``, ``f``'s own trace, also seen from under
-  a ``jax.grad`` inside it.
+  """The outermost staging trace enclosing the one JAX traces into now (following
+  ``parent_trace``), or None outside any (eagerly, also under an eager ``jax.grad``, ``jvp``
+  or ``vmap``): under ``jax.jit(f)``, ``f``'s own trace, also seen from under a ``jax.grad``
+  inside it.
 
   Example:
     >>> outermost_trace() is None
     True
   """
-  trace, top = _jax_core.trace_ctx.trace, None
-  while trace is not None:
-    if not isinstance(trace, _jax_core.EvalTrace):
+  top = None
+  for trace in _enclosing_traces():
+    if _staging(trace):
       top = trace
-    trace = getattr(trace, "parent_trace", None)
   return top
 
 
@@ -137,19 +151,15 @@ def traced_for() -> tuple[str, ...]:
     >>> jax.jit(lambda x: (print(traced_for()), x)[1])(1.0)    # doctest: +SKIP
     ('jit',)
   """
-  trace, out = _jax_core.trace_ctx.trace, []
-  while trace is not None:
-    info = getattr(getattr(trace, "frame", None), "debug_info", None)
-    if info is not None:
-      out.append(str(info.traced_for))
-    trace = getattr(trace, "parent_trace", None)
-  return tuple(out)
+  infos = (getattr(getattr(t, "frame", None), "debug_info", None) for t in _enclosing_traces())
+  return tuple(str(info.traced_for) for info in infos if info is not None)
 
 
 def register_kept_effect(effect_type: type, *, control_flow: bool = False) -> object:
   """An instance of `effect_type` (a subclass of JAX's ``Effect``), registered as an unordered
   effect that JAX keeps and lowers, allowed inside ``custom_vjp`` (and, with
-  `control_flow`, inside ``lax.cond``/``while_loop``/``scan`` bodies).
+  `control_flow`, inside ``lax.cond``/``while_loop``/``scan`` bodies and ``jax.checkpoint``,
+  also under ``jax.grad``: a refused call's stand-in, whose check names the refusal).
 
   Example:
     >>> effect = register_kept_effect(KEPT_EFFECT_BASE)          # doctest: +SKIP
@@ -158,6 +168,7 @@ def register_kept_effect(effect_type: type, *, control_flow: bool = False) -> ob
   _jax_effects.custom_derivatives_allowed_effects.add_type(effect_type)
   if control_flow:
     _jax_effects.control_flow_allowed_effects.add_type(effect_type)
+    _jax_effects.remat_allowed_effects.add_type(effect_type)
   return effect_type()
 
 
@@ -183,9 +194,4 @@ def reachable_here(value) -> bool:
   own = value._trace
   if not own.is_valid():
     return False
-  trace = _jax_core.trace_ctx.trace
-  while trace is not None:
-    if trace is own:
-      return True
-    trace = getattr(trace, "parent_trace", None)
-  return False
+  return any(trace is own for trace in _enclosing_traces())

@@ -26,9 +26,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as _jax_core
-from mpi4py import MPI  # the trace identity that scopes the order chain
+from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
+from mpi4py import MPI
 
+from mnjax.comm import _entry_tag as entry_tag
 from mnjax.comm._compat import usable_here
 
 __all__ = [
@@ -53,7 +54,7 @@ def note_collective(what: str, shape: Any, dtype: Any, *, over: Any = None) -> N
 
   `over`: the MPI communicator the collective runs over, when it may be a part of the job
   (a sub-communicator): the entry then names its ``MPI.COMM_WORLD`` ranks (the tag of
-  `mnjax.guard._pairing.entry`), so that a model-parallel step's check pairs it over those
+  `mnjax.comm._entry_tag.entry`), so that a model-parallel step's check pairs it over those
   ranks, not over every rank it checks (data x model parallelism in one checked step).
 
   Example:
@@ -63,8 +64,7 @@ def note_collective(what: str, shape: Any, dtype: Any, *, over: Any = None) -> N
     [('SyncBatchNorm layer BatchNorm_0', (3, 16), 'float32')]
   """
   if over is not None and over.Get_size() < MPI.COMM_WORLD.Get_size() and _RECORDINGS.open:
-    from mnjax.guard import _pairing  # noqa: PLC0415 - the guard layer builds on this one
-    what = _pairing.entry(what, "collective", _pairing.world_ranks(over))
+    what = entry_tag.entry(what, "collective", entry_tag.world_ranks(over))
   for log in _RECORDINGS.open:
     log.append((what, tuple(int(d) for d in shape), str(dtype)))
 

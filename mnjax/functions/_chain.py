@@ -63,11 +63,8 @@ _MINE = _Mine()
 
 GAP = (
     "mnjax.functions: an exchange of this step was traced inside a trace that ended before"
-    " the next one (the body of a lax.scan, fori_loop, while_loop or cond, an inner jax.jit,"
-    " or jax.checkpoint), so nothing can order the next exchange after it, and a body that"
-    " runs several times would exchange more often than its peer expects. Call"
-    " mnjax.functions at the step's top level (a Python loop instead of lax.scan) or in the"
-    " functions jax.grad, jax.value_and_grad or jax.vjp differentiate")
+    " the next one and that no other check refuses (e.g. a custom transformation's trace),"
+    " so nothing can order the next exchange after it. " + checks.HINT)
 
 
 def _last(comm: Any) -> jax.Array | None:
@@ -140,16 +137,17 @@ def apply(forward: Callable, backward: Callable, x: Any, dtype: Any, comm: Any =
           caller: str = "exchange") -> Any:
   """`differentiable` for an inexact `dtype` (the payload's); for any other, the forward
   exchange alone (an integer array has no gradient, on either side of an exchange). Inside
-  a control-flow body (`mnjax.functions._checks.body`) the call is refused: noted for the
+  a control-flow body or an inner ``jax.jit`` (`mnjax.functions._checks.misplaced`) the
+  call is refused: noted for the
   check to raise on every rank, and a stand-in returned.
 
   Example:
     >>> int(apply(lambda x, after: x + 1, None, jnp.int32(1), jnp.int32))
     2
   """
-  inside = checks.body()
-  if inside is not None:  # refused on every rank by the check; the step never runs
-    checks.refuse(checks.BODY.format(caller=caller, body=inside), comm)
+  problem = checks.misplaced(caller)
+  if problem is not None:  # refused on every rank by the check; the step never runs
+    checks.refuse(problem, comm)
     return checks.stand_in(forward, x, jnp.zeros((), jnp.float32))
   if jnp.issubdtype(dtype, jnp.inexact):
     return differentiable(forward, backward, x, comm)

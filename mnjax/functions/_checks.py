@@ -7,8 +7,10 @@ while the others go on to the pre-flight check and wait there: the call notes a 
 in the step's sequence (the one `mnjax.functions.jit` records, or the `StepCheck` of a step
 under plain ``jax.jit``) and goes on with a stand-in result, and the pre-flight check
 raises it on every rank (`mnjax.guard._pairing`). A call traced inside a control-flow body
-(`body`: ``lax.cond``, ``while_loop``, ``scan``, ``jax.checkpoint``), which would run its
-exchange as often as the body runs, not as it was paired, is refused the same way.
+(`misplaced`: ``lax.cond``, ``while_loop``, ``scan``, ``jax.checkpoint``), which would run
+its exchange as often as the body runs, not as it was paired, is refused the same way, and
+so is one inside an inner ``jax.jit`` (whose cached trace JAX reuses without tracing the
+exchange again, so a later step's check would not see it).
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._compat import traced_for
 from mnjax.comm._primitives import mpi_datatype
 from mnjax.functions import _transport as transport
 from mnjax.guard import _pairing as pairing
 
-__all__ = ["BODY", "body", "checked", "communicator", "like_spec", "payload", "rank_problem",
-           "refuse", "stand_in"]
+__all__ = ["BODY", "HINT", "INNER_JIT", "checked", "communicator", "like_spec", "misplaced",
+           "payload", "rank_problem", "refuse", "stand_in"]
 
 #: The bodies an exchange must not be traced in (`mnjax.comm._compat.traced_for`): they run
 #: a traced exchange zero times (a ``cond`` branch not taken) or several (a loop), so the
@@ -35,12 +38,22 @@ _BODIES = {"cond": "lax.cond", "switch": "lax.switch", "while_cond": "lax.while_
            "while_body": "lax.while_loop", "scan": "lax.scan (or fori_loop)",
            "checkpoint": "jax.checkpoint"}
 
+#: Where an exchange belongs (the end of `BODY`, `INNER_JIT` and `_chain.GAP`).
+HINT = (
+    "Call mnjax.functions at the step's top level (a Python loop or condition on static"
+    " values instead), or in the functions jax.grad, jax.value_and_grad or jax.vjp"
+    " differentiate")
+
 BODY = (
     "mnjax.functions.{caller}: called inside a {body}, which runs a traced exchange"
     " zero times (a branch not taken) or several times (a loop), so the ranks would not"
-    " exchange what the pre-flight check paired (a hang). Call mnjax.functions at the step's"
-    " top level (a Python loop or condition on static values instead), or in the functions"
-    " jax.grad, jax.value_and_grad or jax.vjp differentiate")
+    " exchange what the pre-flight check paired (a hang). " + HINT)
+
+INNER_JIT = (
+    "mnjax.functions.{caller}: called inside an inner jax.jit (a jitted function called from"
+    " the jitted step): JAX caches its trace and reuses it in later steps without tracing"
+    " the exchange again, so their checks would not see it. Call the exchanges in the"
+    " step's own function (drop the inner jax.jit). " + HINT)
 
 
 def communicator(comm: Any, caller: str) -> Communicator:
@@ -106,15 +119,25 @@ def refuse(problem: str, comm: Communicator) -> None:
   transport.check_only(transport.record(comm, pairing.entry(problem, "refused", ()), (), ""))
 
 
-def body() -> str | None:
-  """The control flow whose body the current trace lies in (``"lax.cond"``, ...), or None.
+def misplaced(caller: str) -> str | None:
+  """Why an exchange must not be traced where the current trace lies, or None: inside a
+  control-flow body (`BODY`) or an inner ``jax.jit`` (`INNER_JIT`: a ``jit`` trace inside
+  the step's own; `mnjax.functions.jit`'s step is two, its ``jax.jit`` and the
+  ``jax.make_jaxpr`` its recording is open around, which JAX also names ``jit``).
 
   Example:
-    >>> body() is None
+    >>> misplaced("send") is None
     True
   """
-  return next((name for b in traced_for() for key, name in _BODIES.items()
-               if b.startswith(key)), None)
+  outer = traced_for()
+  inside = next((name for b in outer for key, name in _BODIES.items() if b.startswith(key)),
+                None)
+  if inside is not None:
+    return BODY.format(caller=caller, body=inside)
+  own = 2 if sequence.recording_open() else 1  # the step's own traces (outermost)
+  if "jit" in outer[:-own]:
+    return INNER_JIT.format(caller=caller)
+  return None
 
 
 def stand_in(fn: Any, *args: Any) -> Any:

@@ -46,7 +46,7 @@ from mnjax.comm._compat import (
 from mnjax.functions import _trace_check as trace_check
 from mnjax.guard import _pairing as pairing
 
-__all__ = ["ExchangeEffect", "check_only", "dry", "exchange_p", "issue", "peer_world",
+__all__ = ["OUTSIDE", "ExchangeEffect", "check_only", "dry", "exchange_p", "issue", "peer_world",
            "record", "world_group"]
 
 
@@ -61,6 +61,13 @@ class ExchangeEffect(KEPT_EFFECT_BASE):
 class _CheckEffect(KEPT_EFFECT_BASE):
   """The effect of a refused call's stand-in (`check_only`): allowed in control flow."""
 
+
+#: The error of an exchange outside any jitted step (nothing could check it).
+OUTSIDE = (
+    "{label}: called outside any traced step (eagerly, also under an eager jax.grad, jax.jvp"
+    " or jax.vmap, or in the backward of a jax.vjp called outside jax.jit); the exchanges"
+    " run inside a jitted step, whose pairing is checked across ranks before it runs. Call"
+    " it inside jax.jit (or mnjax.functions.jit(step, comm)) on every rank.")
 
 _EFFECT = register_kept_effect(ExchangeEffect)
 _CHECK_EFFECT = register_kept_effect(_CheckEffect, control_flow=True)
@@ -119,11 +126,7 @@ def issue(exchange: str, comm: Communicator, payload: Any, after: Any, *, shape:
   if _DRY.on:
     return jnp.zeros(shape, dtype)
   if outermost_trace() is None:
-    raise RuntimeError(
-        f"{label}: called outside any traced step (eagerly, or the backward of a jax.vjp"
-        " called outside jax.jit); the exchanges run inside a jitted step, whose pairing"
-        " is checked across ranks before it runs. Call it inside jax.jit (or"
-        " mnjax.functions.jit(step, comm)) on every rank.")
+    raise RuntimeError(OUTSIDE.format(label=label))
   kind, peer, phase, note_shape, note_dtype = note
   check = record(
       comm, pairing.entry(label, kind, world_group(comm), phase=phase,
@@ -229,6 +232,12 @@ def _no_differentiation(*args, **kwargs):
       " (mnjax.functions.send, recv, bcast, ...); the raw primitive has no derivative.")
 
 
+def _eager(*operands, target="mnjax.functions (a refused call)", **params):
+  """Evaluation outside any staging trace (e.g. an eager jax.grad): refused, as in `issue`."""
+  del operands, params
+  raise RuntimeError(OUTSIDE.format(label=f"mnjax.functions ({target})"))
+
+
 def _lower_check(ctx, zero, *, check):
   del ctx
   check.run()
@@ -237,9 +246,11 @@ def _lower_check(ctx, zero, *, check):
 
 exchange_p = Primitive("mnjax_exchange")
 exchange_p.def_effectful_abstract_eval(_abstract)
+exchange_p.def_impl(_eager)
 _check_p = Primitive("mnjax_exchange_check")  # a refused call's stand-in: the check alone
 _check_p.def_effectful_abstract_eval(
     lambda zero, **_: (ShapedArray((), np.float32), {_CHECK_EFFECT}))
+_check_p.def_impl(_eager)
 mlir.register_lowering(_check_p, _lower_check)
 mlir.register_lowering(exchange_p, _lower_cpu, platform="cpu")
 mlir.register_lowering(exchange_p, _lower_gpu, platform="cuda")

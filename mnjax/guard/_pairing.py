@@ -15,30 +15,30 @@ exchange of each rank and what its partner does instead (wrong peer, shape, dtyp
 facing a send, a step that ends first).
 
 The exchanges note themselves in the step's collective sequence (`mnjax.comm._sequence`) as
-ordinary ``(what, shape, dtype)`` entries whose ``what`` ends in a tag `entry` writes and
-`parse` reads: ``<mnjax.functions send peer=1 phase=forward group=0,1>``, peers and groups
-in ``MPI.COMM_WORLD`` ranks so that exchanges over sub-communicators pair up in a step
-checked over another communicator; a gradient bucket over a sub-communicator carries a
-``collective`` tag with its ranks (`mnjax.comm._sequence.note_collective`'s ``over``).
-Entries without a tag (SyncBatchNorm layers, buckets over the whole job) are collectives
-over every rank of the checked communicator. A call refused while
-its step is traced (a peer outside the communicator, on one rank only) notes a ``refused``
-entry instead of raising there, so that every rank raises it together here.
+ordinary ``(what, shape, dtype)`` entries whose ``what`` ends in a tag `entry` writes
+(`mnjax.comm._entry_tag`, re-exported here) and `parse` reads: ``<mnjax.functions send
+peer=1 phase=forward group=0,1>``, peers and groups in ``MPI.COMM_WORLD`` ranks so that
+exchanges over sub-communicators pair up in a step checked over another communicator; a
+gradient bucket over a sub-communicator carries a ``collective`` tag with its ranks
+(`mnjax.comm._sequence.note_collective`'s ``over``). Entries without a tag (SyncBatchNorm
+layers, buckets over the whole job) are collectives over every rank of the checked
+communicator. A call refused while its step is traced (a peer outside the communicator, on
+one rank only) notes a ``refused`` entry instead of raising there, so that every rank
+raises it together here.
 """
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 from mpi4py import MPI
 
+from mnjax.comm._entry_tag import TAG as _TAG
+from mnjax.comm._entry_tag import entry, world_ranks
+
 __all__ = ["ExchangeError", "check_exchanges", "describe_refusals", "entry", "has_refusal",
            "involved", "parse", "refusal_error", "world_ranks"]
 
-_TAG = re.compile(
-    r" <mnjax\.functions (?P<kind>send|recv|collective|refused)"
-    r"(?: peer=(?P<peer>\d+))?(?: phase=(?P<phase>\w+))? group=(?P<group>[\d,]*)>$")
 _LIMIT = 4  # problems named in one message
 _UNTAGGED = "every rank"  # the phase of an untagged entry (SyncBatchNorm, a gradient bucket)
 
@@ -60,19 +60,6 @@ class Exchange(NamedTuple):
   dtype: str
 
 
-def entry(label: str, kind: str, group: tuple[int, ...], *, peer: int | None = None,
-          phase: str | None = None) -> str:
-  """The ``what`` of a sequence entry for an exchange (world ranks).
-
-  Example:
-    >>> entry("mnjax.functions.send", "send", (0, 1), peer=1, phase="forward")
-    'mnjax.functions.send <mnjax.functions send peer=1 phase=forward group=0,1>'
-  """
-  fields = "".join([f" peer={peer}" if peer is not None else "",
-                    f" phase={phase}" if phase is not None else ""])
-  return f"{label} <mnjax.functions {kind}{fields} group={','.join(map(str, group))}>"
-
-
 def parse(what: str, shape: tuple, dtype: str) -> Exchange | None:
   """The `Exchange` an entry describes, or None for an untagged one (an SPMD collective).
 
@@ -86,32 +73,6 @@ def parse(what: str, shape: tuple, dtype: str) -> Exchange | None:
   group = tuple(int(g) for g in found["group"].split(",") if g)
   return Exchange(found["kind"], what[:found.start()], None if found["peer"] is None
                   else int(found["peer"]), found["phase"], group, tuple(shape), dtype)
-
-
-_WORLD_RANKS: dict[int, tuple[int, ...]] = {}  # by communicator handle
-
-
-def _translate(comm: MPI.Comm) -> tuple[int, ...]:
-  group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-  try:
-    return tuple(int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.Get_size())),
-                                                            world))
-  finally:
-    group.Free()
-    world.Free()
-
-
-def world_ranks(mpi_comm: MPI.Comm) -> tuple[int, ...]:
-  """``MPI.COMM_WORLD`` rank of each rank of `mpi_comm` (local: no communication).
-
-  Example:
-    >>> world_ranks(comm.mpi_comm) == tuple(range(comm.size))
-    True
-  """
-  handle = int(MPI._handleof(mpi_comm))
-  if handle not in _WORLD_RANKS:
-    _WORLD_RANKS[handle] = _translate(mpi_comm)
-  return _WORLD_RANKS[handle]
 
 
 def involved(everyone: list[tuple]) -> bool:

@@ -1,0 +1,62 @@
+"""The tag an in-step exchange's sequence entry carries, naming its kind, peer and ranks.
+
+A model-parallel step's pairing check (`mnjax.guard._pairing`) reads, in each rank's
+collective sequence (`mnjax.comm._sequence`), which entries are `mnjax.functions` exchanges
+and which ranks take part: ``<mnjax.functions send peer=1 phase=forward group=0,1>`` at the
+end of the entry's text, peers and groups in ``MPI.COMM_WORLD`` ranks (so exchanges over
+sub-communicators pair up in a step checked over another communicator). The comm layer
+writes the tag (`entry`: the exchanges, and a gradient bucket over a sub-communicator); the
+guard layer parses it (`TAG`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from mpi4py import MPI
+
+__all__ = ["TAG", "entry", "world_ranks"]
+
+#: What `entry` appends, as the pairing check parses it.
+TAG = re.compile(
+    r" <mnjax\.functions (?P<kind>send|recv|collective|refused)"
+    r"(?: peer=(?P<peer>\d+))?(?: phase=(?P<phase>\w+))? group=(?P<group>[\d,]*)>$")
+
+
+def entry(label: str, kind: str, group: tuple[int, ...], *, peer: int | None = None,
+          phase: str | None = None) -> str:
+  """The ``what`` of a sequence entry for an exchange (world ranks).
+
+  Example:
+    >>> entry("mnjax.functions.send", "send", (0, 1), peer=1, phase="forward")
+    'mnjax.functions.send <mnjax.functions send peer=1 phase=forward group=0,1>'
+  """
+  fields = "".join([f" peer={peer}" if peer is not None else "",
+                    f" phase={phase}" if phase is not None else ""])
+  return f"{label} <mnjax.functions {kind}{fields} group={','.join(map(str, group))}>"
+
+
+_WORLD_RANKS: dict[int, tuple[int, ...]] = {}  # by communicator handle
+
+
+def _translate(comm: MPI.Comm) -> tuple[int, ...]:
+  group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+  try:
+    return tuple(int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.Get_size())),
+                                                            world))
+  finally:
+    group.Free()
+    world.Free()
+
+
+def world_ranks(mpi_comm: MPI.Comm) -> tuple[int, ...]:
+  """``MPI.COMM_WORLD`` rank of each rank of `mpi_comm` (local: no communication).
+
+  Example:
+    >>> world_ranks(MPI.COMM_WORLD) == tuple(range(MPI.COMM_WORLD.Get_size()))
+    True
+  """
+  handle = int(MPI._handleof(mpi_comm))
+  if handle not in _WORLD_RANKS:
+    _WORLD_RANKS[handle] = _translate(mpi_comm)
+  return _WORLD_RANKS[handle]
