@@ -42,7 +42,9 @@ install_missing() {
   say "installing ${want[*]}"
   # Debian's packages start their services on install where systemd runs; none here.
   apt-get update -qq >/dev/null || true
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${want[@]}" >/dev/null
+  # DPkg::Lock::Timeout: another install (CI's OpenMPI set-up) may hold the lock for a while.
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    -o DPkg::Lock::Timeout=120 "${want[@]}" >/dev/null
 }
 
 node_names() { local i; for ((i = 1; i <= nodes; i++)); do echo "n$i"; done; }

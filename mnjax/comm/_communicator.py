@@ -22,6 +22,7 @@ from mnjax.comm import _cuda_mpi as cuda_mpi
 from mnjax.comm import _departures as departures
 from mnjax.comm import _devices as devices_lib
 from mnjax.comm import _failfast as failfast
+from mnjax.comm import _launcher as launcher
 from mnjax.comm import _process_view as process_view
 from mnjax.comm._methods import CommunicatorMethods
 from mnjax.comm._topology import EMULATE_NODES, node_split, node_topology
@@ -319,6 +320,8 @@ def create_communicator(
   if not isinstance(axis_name, str) or not axis_name:
     raise ValueError(f"create_communicator: axis_name must be a non-empty str, got {axis_name!r}.")
 
+  if mpi_comm is MPI.COMM_WORLD:  # a launcher whose PMI this MPI does not speak: singletons
+    launcher.check_world(mpi_comm.Get_size(), MPI.Get_library_version())
   if kind == "xla" and local_devices is not None:
     raise ValueError("create_communicator: kind 'xla' uses every device this process drives;"
                      " drop local_devices.")

@@ -1,9 +1,11 @@
 """The README's Slurm lines on a real Slurm: Debian's slurm-wlm with two slurmd nodes on this
 host (scripts/slurm.sh), srun through PMI-2 (MpiDefault=pmi2: what the mpich wheel and
-Debian's Slurm share), sbatch of scripts/train.sbatch, and preemption as clusters do it
-(scancel, scontrol requeue, --signal). Skipped where Slurm cannot run (not
-installed, or not root: the main suite on a fresh machine; scripts/ci_cluster_launchers.sh
-installs it and runs this file). docs/design/launchers.md says what each case proves."""
+Debian's Slurm share) of experiments/train.py and experiments/imagenet.py (mocked data),
+bad launches (srun --mpi=none, more tasks per node than cores), sbatch of
+scripts/train.sbatch, and preemption as clusters do it (scancel, scontrol requeue, --signal).
+Skipped where Slurm cannot run (not installed, or not root: the main suite on a fresh
+machine; scripts/ci_cluster_launchers.sh installs it and runs this file).
+docs/design/launchers.md says what each case proves."""
 
 import json
 import os
@@ -138,6 +140,58 @@ def test_srun_with_comm_xla_trains_the_same_parameters(cluster, reference, tmp_p
   assert rc == 0, out[-5000:]
   assert "2 rank(s) on 2 node(s) x 1 cpu device(s), kind xla" in out, out[-3000:]
   assert_bitwise(reference, tmp_path)
+
+
+# experiments/imagenet.py on mocked CIFAR-10 (tests/support/imagenet_job_mocked.py prints a
+# digest of each rank's parameters and BN statistics): ResNet-18 at 32 px, 16 examples, 2
+# steps, no evaluation or checkpoint: the least that still runs the experiment's own loop.
+IMAGENET = [sys.executable, "tests/support/imagenet_job_mocked.py", "--config",
+            "resnet18_cifar10", "--global_batch_size", "8", "--epochs", "1", "--base_lr", "0.32",
+            "--warmup_epochs", "0", "--no-eval", "--no-progress", "--checkpoint_every", "0"]
+MOCKED = {"MNJAX_MOCK_EXAMPLES": "16"}
+
+
+def digests(out):
+  found = dict(re.findall(r"DIGEST rank (\d) ([0-9a-f]{64})", out))
+  assert set(found) == {"0", "1"}, out[-5000:]
+  return found
+
+
+def test_imagenet_under_srun_ends_with_the_mpirun_parameters(cluster, tmp_path):
+  # The README's second srun line. The two jobs share the session's compilation cache
+  # (tests/conftest.py), so the ResNet compiles once.
+  rc, out = srun({**cluster, **MOCKED}, [*IMAGENET, "--workdir", str(tmp_path / "srun")])
+  assert rc == 0, out[-5000:]
+  on_slurm = digests(out)
+  assert on_slurm["0"] == on_slurm["1"], on_slurm  # one replica
+  config = json.loads((tmp_path / "srun" / "config.json").read_text())
+  assert config["topology"]["size"] == 2 and config["topology"]["inter_size"] == 2, config
+  result = run_mpi(2, [*IMAGENET[1:], "--workdir", str(tmp_path / "mpirun")], timeout=300,
+                   env=MOCKED)
+  assert result.returncode == 0, result.stdout[-5000:]
+  assert digests(result.stdout) == on_slurm  # bitwise: two float32 per sum, as above
+
+
+CREATE = [sys.executable, "-c", "import mnjax; mnjax.create_communicator('flat')"]
+
+
+def test_srun_without_the_mpis_pmi_is_refused_on_every_task(cluster):
+  # --mpi=none: MPICH finds no PMI, every task is a singleton (size 1) that would train
+  # alone; mnjax compares with Slurm's task count and refuses on every task.
+  rc, out = srun(cluster, ["--mpi=none", *CREATE], timeout=120)
+  assert rc != 0
+  assert out.count("the launcher started 2 processes (SLURM_STEP_NUM_TASKS=2), but MPI sees"
+                   " 1") == 2, out[-5000:]
+
+
+def test_more_tasks_per_node_than_cores_is_refused_by_slurm(cluster):
+  # Slurm refuses the step before anything starts (no --overcommit); more tasks than GPUs
+  # on a node is create_communicator's error (mnjax/comm/_devices.py, tests/unit).
+  cpus = int(re.search(r"CPUTot=(\d+)", slurm(cluster, "scontrol", "show", "node", "n1")).group(1))
+  rc, out = srun(cluster, [sys.executable, "-c", "print('started')"], timeout=60,
+                 layout=("-N", "1", f"--ntasks-per-node={cpus + 1}"))
+  assert rc != 0 and "started" not in out
+  assert "CPU count per node can not be satisfied" in out, out
 
 
 TOPOLOGY = """

@@ -22,13 +22,16 @@ def mpirun_path() -> str:
 
 
 def run_mpi(ranks: int, args: list[str], *, timeout: float, env: dict | None = None,
-            mpi_args: tuple[str, ...] = ()):
+            mpi_args: tuple[str, ...] = (), mpirun: str | None = None,
+            python: str | None = None):
   """Runs ``mpirun [mpi_args] -n ranks <python> args``; kills the whole job after `timeout` s.
 
-  Returns the `subprocess.CompletedProcess` (stdout and stderr merged, as text). A job that
-  does not finish in time raises `AssertionError` with the output so far.
+  `mpirun` and `python` default to `mpirun_path()` and this interpreter (another MPI's
+  launcher and venv: tests/jobs/test_openmpi.py). Returns the `subprocess.CompletedProcess`
+  (stdout and stderr merged, as text). A job that does not finish in time raises
+  `AssertionError` with the output so far.
   """
-  cmd = [mpirun_path(), *mpi_args, "-n", str(ranks), sys.executable, *args]
+  cmd = [mpirun or mpirun_path(), *mpi_args, "-n", str(ranks), python or sys.executable, *args]
   full_env = {**os.environ, **(env or {})}
   proc = subprocess.Popen(
       cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
