@@ -232,7 +232,7 @@ def _no_differentiation(*args, **kwargs):
       " (mnjax.functions.send, recv, bcast, ...); the raw primitive has no derivative.")
 
 
-def _eager(*operands, target="mnjax.functions (a refused call)", **params):
+def _eager(*operands, target="a refused call", **params):
   """Evaluation outside any staging trace (e.g. an eager jax.grad): refused, as in `issue`."""
   del operands, params
   raise RuntimeError(OUTSIDE.format(label=f"mnjax.functions ({target})"))

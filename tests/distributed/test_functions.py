@@ -2,19 +2,25 @@
 
 Runs as one process and under mpirun -n 2 and -n 3 (tests/jobs/test_mpirun.py). The
 two-rank chain uses ranks 0 and 1; further ranks run an empty step (the pre-flight check is
-collective over the communicator). Each test compiles at most one step per rank. `JITS`:
-each step is built with plain ``jax.jit`` (checked when lowered) and with
-`mnjax.functions.jit` (checked when traced).
+collective over the communicator). Each test compiles at most a few small steps per rank.
+`JITS`: each step is built with plain ``jax.jit`` (checked when lowered) and with
+`mnjax.functions.jit` (checked when traced). The refusals of where an exchange may be
+called (`gathered`) run at every size, one process included.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jax_core
 from mpi4py import MPI
 
 import mnjax
 from mnjax import functions as F
+from mnjax.functions import _chain, _collective
+from mnjax.guard import _preflight as preflight
 
 X = np.array([0.5, -1.0, 2.0], np.float32)
 P = np.array([0.3, 0.7, -0.2], np.float32)
@@ -204,6 +210,144 @@ def test_an_exchange_outside_any_jitted_step_is_refused(comm):
   """Eagerly there is no step to check: every rank that calls refuses at once."""
   with pytest.raises(RuntimeError, match="outside any traced step"):
     F.send(jnp.ones(2), comm, (comm.rank + 1) % comm.size)
+  with pytest.raises(RuntimeError, match=r"mnjax.functions \(a refused call\): called outside"):
+    F.send(jnp.ones(2), comm, comm.size)  # a refused call's stand-in, evaluated eagerly
+
+
+def gathered(comm):
+  """A fresh ``x -> F.allgather(x, comm)[0]`` (a new function: JAX caches no trace of it).
+
+  At size 1, where `F.allgather` returns ``x[None]`` without exchanging, the same path the
+  other sizes take (`mnjax.functions._chain.apply`: its refusals, the ``custom_vjp``, a
+  size-1 MPI allgather, the step's check), so a refusal is raised in one process too.
+  """
+  if comm.size > 1:
+    return lambda x: F.allgather(x, comm)[0]
+  forward = functools.partial(_collective._allgather, comm)
+  backward = functools.partial(_collective._allgather_backward, comm)
+  return lambda x: _chain.apply(forward, backward, x, x.dtype, comm, "allgather")[0]
+
+
+def same_on_every_rank(comm, error):
+  """Every rank raised, the same text (a rank that did not would leave the others waiting
+  here: mpirun's timeout makes that a failure)."""
+  text = comm.mpi_comm.allgather(str(error))
+  assert all(t == text[0] for t in text), text
+
+
+EAGER = {
+    "eagerly": lambda f, x: f(x),
+    "under an eager jax.grad": lambda f, x: jax.grad(lambda x: f(x).sum())(x),
+    "under an eager jax.vmap": lambda f, x: jax.vmap(f)(jnp.stack([x, x])),
+    "from a jaxpr run eagerly": lambda f, x: jax_core.jaxpr_as_fun(jax.make_jaxpr(f)(x))(x),
+}
+
+
+@pytest.mark.parametrize("how", sorted(EAGER))
+def test_an_exchange_under_an_eager_transformation_is_refused(comm, how):
+  """Outside any jax.jit, also under an eager jax.grad or jax.vmap (JAX computes as it
+  goes: no step to check) or from a traced jaxpr evaluated eagerly, every rank raises at
+  once with the fix (not JAX's "Batching rule ..." or "Evaluation rule ... not
+  implemented")."""
+  with pytest.raises(RuntimeError, match="outside any traced step.*inside jax.jit") as raised:
+    EAGER[how](gathered(comm), jnp.ones(2))
+  same_on_every_rank(comm, raised.value)
+
+
+@JITS
+def test_an_exchange_inside_an_inner_jit_is_refused_on_every_rank(comm, jit):
+  """An exchange in a jitted function called from the jitted step (rank 0's; the others
+  exchange at the step's top level): JAX would reuse that function's cached trace in later
+  steps without tracing the exchange again, so refused on every rank when traced."""
+  gather = gathered(comm)
+  def step(x):
+    return jax.jit(gather)(x) if comm.rank == 0 else gather(x)
+
+  with pytest.raises(F.ExchangeError, match="called inside an inner jax.jit") as raised:
+    jit(step, comm)(jnp.ones(2))
+  same_on_every_rank(comm, raised.value)
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
+    "known hole (docs/design/functions.md, Scope): a jitted function traced once on its own"
+    " and then called from a step is not traced again, so neither the refusal nor the"
+    " step's check sees its exchange"))
+@JITS
+def test_a_cached_inner_jit_is_refused_too(comm, jit):
+  """The inner jax.jit's trace made before the step (by a call of its own, on every rank):
+  JAX reuses it inside the step, whose check then never sees the exchange."""
+  inner = jax.jit(gathered(comm))
+  inner(jnp.ones(2))  # a step of its own: checked, and run on every rank
+  with pytest.raises(F.ExchangeError, match="called inside an inner jax.jit"):
+    jit(lambda x: inner(x) + 1, comm)(jnp.ones(2))
+
+
+DIFFERENTIATED = {
+    "jax.grad(jax.jit(f))": (
+        lambda f: jax.grad(jax.jit(f)),
+        r"differentiated from outside its jitted step.*: jax\.jit\(jax\.grad\(f\)\)"),
+    "jax.jit(jax.grad(jax.jit(f)))": (
+        lambda f: jax.jit(jax.grad(jax.jit(f))),
+        r"called inside an inner jax\.jit.*drop the inner jax\.jit"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(DIFFERENTIATED))
+def test_a_jitted_step_differentiated_from_outside_is_refused_on_every_rank(comm, how):
+  """jax.grad of a jitted step traces each exchange's forward again, in a trace of its own
+  outside the step's check (the ranks' checks would not line up): refused on every rank,
+  with the fix (jax.jit(jax.grad(f)))."""
+  transform, message = DIFFERENTIATED[how]
+  gather = gathered(comm)
+  with pytest.raises(F.ExchangeError, match=message) as raised:
+    transform(lambda x: gather(x).sum())(jnp.ones(2))
+  same_on_every_rank(comm, raised.value)
+
+
+def rounds(monkeypatch, error=None):
+  """The pre-flight check's rounds from now on (one entry each: its host allgather, or at
+  size 1 its pairing), each raising `error` instead when given."""
+  opened = []
+  def counted(real):
+    def round_(*args, **kwargs):
+      opened.append(real.__name__)
+      if error is not None:
+        raise error
+      return real(*args, **kwargs)
+    return round_
+  monkeypatch.setattr(preflight, "gather_if_different", counted(preflight.gather_if_different))
+  monkeypatch.setattr(preflight.pairing, "check_exchanges",
+                      counted(preflight.pairing.check_exchanges))
+  return opened
+
+
+def test_a_retrace_with_an_agreed_sequence_opens_no_new_round(comm, monkeypatch):
+  """Under plain jax.jit, a retrace of a step (another static argument) whose exchanges the
+  ranks agreed on is not checked again (one rank could retrace alone); another step with
+  the same exchanges is (its own agreement)."""
+  opened = rounds(monkeypatch)
+  x = jnp.ones(2)
+  gather = gathered(comm)
+  step = jax.jit(lambda x, k: gather(x) * k, static_argnums=1)
+  step(x, 1)
+  assert len(opened) == 1, opened
+  np.testing.assert_array_equal(step(x, 2), 2 * x)  # retraced: the same sequence
+  assert len(opened) == 1, opened
+  other = jax.jit(lambda x, k: gather(x) * k, static_argnums=1)
+  other(x, 1)
+  assert len(opened) == 2, opened
+
+
+def test_a_failed_check_is_raised_again_without_a_new_round(comm, monkeypatch):
+  """Any error of a plain jax.jit step's check (here a RuntimeError of its round) is kept:
+  every later lowering raises it again, no rank opens another round."""
+  gather = gathered(comm)
+  lowered = jax.jit(lambda x: gather(x)).trace(jnp.ones(2))  # a step no other test agreed on
+  opened = rounds(monkeypatch, RuntimeError("the round failed"))
+  for _ in range(2):
+    with pytest.raises(RuntimeError, match="the round failed"):
+      lowered.lower()
+  assert len(opened) == 1, opened
 
 
 def ring(comm):
@@ -249,6 +393,19 @@ def test_exchange_inside_a_control_flow_body_is_refused_on_every_rank(comm, body
     jit(step, comm)(jnp.ones(2))
   text = comm.mpi_comm.allgather(str(raised.value))
   assert all(t == text[0] for t in text), text
+
+
+@JITS
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "jax.grad"])
+def test_an_exchange_inside_jax_checkpoint_is_refused_on_every_rank(comm, jit, grad):
+  """jax.checkpoint (remat) traces its body again for the backward, so an exchange in it
+  would run more often than paired: refused on every rank, naming jax.checkpoint (JAX's
+  own check of remat's effects lets the refusal through instead of failing first)."""
+  body = jax.checkpoint(gathered(comm))
+  step = (lambda x: jax.grad(lambda x: body(x).sum())(x)) if grad else body
+  with pytest.raises(F.ExchangeError, match="called inside a jax.checkpoint") as raised:
+    jit(step, comm)(jnp.ones(2))
+  same_on_every_rank(comm, raised.value)
 
 
 def test_bad_arguments_raise_at_the_call(comm):
