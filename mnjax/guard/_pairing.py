@@ -19,12 +19,12 @@ ordinary ``(what, shape, dtype)`` entries whose ``what`` ends in a tag `entry` w
 (`mnjax.comm._entry_tag`, re-exported here) and `parse` reads: ``<mnjax.functions send
 peer=1 phase=forward group=0,1>``, peers and groups in ``MPI.COMM_WORLD`` ranks so that
 exchanges over sub-communicators pair up in a step checked over another communicator; a
-gradient bucket over a sub-communicator carries a ``collective`` tag with its ranks
-(`mnjax.comm._sequence.note_collective`'s ``over``). Entries without a tag (SyncBatchNorm
-layers, buckets over the whole job) are collectives over every rank of the checked
-communicator. A call refused while its step is traced (a peer outside the communicator, on
-one rank only) notes a ``refused`` entry instead of raising there, so that every rank
-raises it together here.
+gradient bucket or a SyncBatchNorm layer over a sub-communicator carries a ``collective``
+tag with its ranks (`mnjax.comm._sequence.note_collective`'s ``over``). Entries without a
+tag (SyncBatchNorm layers and buckets over the whole job) are collectives over every rank of
+the checked communicator. A call refused while its step is traced (a peer outside the
+communicator, on one rank only) notes a ``refused`` entry instead of raising there, so that
+every rank raises it together here.
 """
 
 from __future__ import annotations
@@ -201,9 +201,10 @@ class _Run:
       others = [f"rank {m} at {_at(self.head(m), self)}" for m in members
                 if not _same(self.head(m), e)]
       hint = "" if e.phase != _UNTAGGED else (
-          " (a collective that names no ranks, such as a SyncBatchNorm layer's, reads as one"
-          " over every rank of the checked communicator: one over a sub-communicator"
-          " cannot pair in a model-parallel step)")
+          " (a collective that names no ranks, one over the whole job such as a SyncBatchNorm"
+          " layer's or a gradient bucket's, reads as one over every rank of the checked"
+          " communicator: run it over a sub-communicator of the ranks that take part,"
+          " comm.split)")
       return f"{where} waits for {', '.join(others)}{hint}"
     q = self.rank(e.peer)
     f = self.head(q)

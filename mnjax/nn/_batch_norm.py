@@ -227,7 +227,9 @@ def _chained_sum(comm: Communicator, layer: str, parts: list) -> tuple:
         " model in mnjax.data_parallel(fn, comm, batch_argnums=...) (for 'flat' it is jax.jit"
         " plus that check, once per trace), as make_train_step does.")
   flat = jnp.concatenate([jnp.ravel(p) for p in parts])
-  sequence.note_collective(f"SyncBatchNorm layer {layer}", flat.shape, flat.dtype)
+  # over=: a layer over a sub-communicator names its ranks (a model-parallel step pairs it).
+  sequence.note_collective(f"SyncBatchNorm layer {layer}", flat.shape, flat.dtype,
+                           over=comm.mpi_comm)
   if _xla_orders_it(comm):
     total = _xla_sum(comm, flat)
   else:

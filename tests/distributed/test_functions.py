@@ -167,6 +167,32 @@ def test_an_allreduce_over_a_sub_communicator_pairs_in_a_checked_step(comm):
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+
+def test_sync_batch_norm_over_a_sub_communicator_pairs_in_a_checked_step(comm):
+  """SyncBatchNorm over a group beside an exchange, in one mnjax.functions.jit step over the
+  job: rank 0 sends to rank 1, and every rank but 1 normalises over its group. The layer's
+  entry names its ranks, so it pairs instead of reading as one collective over every rank
+  (rank 1 has none); its mean is the group's."""
+  if comm.size < 3:
+    pytest.skip("a group of two or more beside a third rank: runs under mpirun -n 3")
+  r = comm.rank
+  sub = comm.split(color=int(r == 1), key=r)
+  norm = mnjax.SyncBatchNorm(sub, use_running_average=False, momentum=0.0)
+  x = jnp.full((2, 3), float(r))
+  variables = norm.init(jax.random.key(0), x)
+  like = jax.ShapeDtypeStruct((3,), jnp.float32)
+
+  def step(batch):
+    if r == 1:
+      return F.recv(comm, 0, like)
+    sent = F.send(first(P, X), comm, 1) if r == 0 else jnp.zeros(())
+    _, new = norm.apply(variables, batch, mutable=["batch_stats"])
+    return new["batch_stats"]["mean"] + 0.0 * sent
+
+  got = F.jit(step, comm)(x)
+  want = first(P, X) if r == 1 else np.full(3, np.mean([q for q in range(comm.size) if q != 1]))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
 BAD = {
     "shape": "the shapes or dtypes differ",
     "both send first": "both send first",
