@@ -298,9 +298,10 @@ def test_single_replica_matches_flax_batch_norm_and_its_variables():
                           images[:2])
   assert jax.tree.map(lambda v: (v.shape, v.dtype), shapes) == \
       jax.tree.map(lambda v: (v.shape, v.dtype), variables)
-  for train in (True, False):
-    got = synced.apply(variables, images, train=train, mutable=["batch_stats"])
-    want = Branchy().apply(variables, images, train=train, mutable=["batch_stats"])
+  for train in (True, False):  # jitted: eager flax runs (and compiles) op by op
+    apply = lambda model, v, x, t=train: model.apply(v, x, train=t, mutable=["batch_stats"])
+    got = jax.jit(functools.partial(apply, synced))(variables, images)
+    want = jax.jit(functools.partial(apply, Branchy()))(variables, images)
     close(got, want, tol=1e-6)
 
 
