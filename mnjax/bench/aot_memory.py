@@ -33,16 +33,27 @@ def memory(compile_at, batches, memory_bytes: float, search: bool) -> dict:
   return out
 
 
-def largest_batch(compile_at, rows: dict, memory_bytes: float, search: bool) -> dict:
+#: Compiles `largest_batch` may spend finding the boundary (each one a whole ResNet-50 step).
+SEARCH_COMPILES = 12
+
+
+def largest_batch(compile_at, rows: dict, memory_bytes: float, search: bool,
+                  budget: int = SEARCH_COMPILES) -> dict:
   """The largest batch whose peak fits: an affine fit of the peak in the batch, then (with
-  `search`) compiled and moved one image at a time until the boundary is found (at most 4
-  compiles; 2 when the fit is right): ``largest`` is the largest compiled batch that fits,
-  ``boundary_found`` whether one more image was compiled and does not.
+  `search`) compiled at the prediction and, galloping away from it in steps of 1, 2, 4, ...
+  images, until one batch fits and a larger one does not; bisected between the two. At most
+  `budget` compiles. ``largest`` is the largest compiled batch that fits below the first
+  compiled one that does not, ``boundary_found`` whether ``largest + 1`` was compiled and does
+  not fit (XLA's peak is not monotonic in the batch to the image: a boundary, not the only one).
 
   Example:
     >>> rows = {32: {"peak_bytes": 4.0e9}, 64: {"peak_bytes": 7.0e9}}
     >>> largest_batch(None, rows, 100e9, search=False)["predicted"]
     1056
+    >>> fake = lambda b: {"peak_bytes": 1e9 + b * 0.1e9}   # the fit is 20 images too low
+    >>> r = largest_batch(fake, {32: fake(52), 64: fake(84)}, 100e9, search=True)
+    >>> r["predicted"], r["largest"], r["boundary_found"]
+    (970, 990, True)
   """
   import numpy as np
 
@@ -50,27 +61,35 @@ def largest_batch(compile_at, rows: dict, memory_bytes: float, search: bool) -> 
   if len(points) < 2:
     return {"error": "fewer than two compiled batches"}
   slope, base = np.polyfit(*zip(*points), 1)
-  guess = int((memory_bytes - base) // slope)
+  guess = max(1, int((memory_bytes - base) // slope))
   result = {"per_image_bytes": float(slope), "fixed_bytes": float(base), "predicted": guess}
   if not search:
     return result
   peaks = {}
 
-  def peak(b):
+  def fits(b):
     if b not in peaks:
       peaks[b] = compile_at(b).get("peak_bytes", float("inf"))
-    return peaks[b]
+    return peaks[b] <= memory_bytes
 
-  b = guess
-  if peak(b) <= memory_bytes:
-    while peak(b + 1) <= memory_bytes and len(peaks) < 4:
-      b += 1
+  lo = hi = None  # the largest batch known to fit, the smallest known not to
+  step = 1
+  if fits(guess):
+    lo = guess
+    while hi is None and len(peaks) < budget:
+      b = lo + step
+      lo, hi = (b, None) if fits(b) else (lo, b)
+      step *= 2
   else:
-    while b > 1 and peak(b) > memory_bytes and len(peaks) < 4:
-      b -= 1
-  fits = [k for k, v in peaks.items() if v <= memory_bytes]
-  b = max(fits, default=None)
+    hi = guess
+    while lo is None and hi > 1 and len(peaks) < budget:
+      b = max(1, hi - step)
+      lo, hi = (b, hi) if fits(b) else (None, b)
+      step *= 2
+  while lo is not None and hi is not None and hi - lo > 1 and len(peaks) < budget:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
   result.update(compiled={int(k): int(v) if v != float("inf") else None
                           for k, v in sorted(peaks.items())},
-                largest=b, boundary_found=b is not None and peaks.get(b + 1, 0) > memory_bytes)
+                largest=lo, boundary_found=lo is not None and hi == lo + 1)
   return result
