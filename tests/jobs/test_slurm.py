@@ -149,6 +149,7 @@ IMAGENET = [sys.executable, "tests/support/imagenet_job_mocked.py", "--config",
             "resnet18_cifar10", "--global_batch_size", "8", "--epochs", "1", "--base_lr", "0.32",
             "--warmup_epochs", "0", "--no-eval", "--no-progress", "--checkpoint_every", "0"]
 MOCKED = {"MNJAX_MOCK_EXAMPLES": "16"}
+PMI2_GARBLED = "mpi/pmi2: invalid client request"  # slurmstepd, on a garbled PMI-2 request
 
 
 def digests(out):
@@ -160,11 +161,18 @@ def digests(out):
 def test_imagenet_under_srun_ends_with_the_mpirun_parameters(cluster, tmp_path):
   # The README's second srun line. The two jobs share the session's compilation cache
   # (tests/conftest.py), so the ResNet compiles once.
-  rc, out = srun({**cluster, **MOCKED}, [*IMAGENET, "--workdir", str(tmp_path / "srun")])
+  workdir = tmp_path / "srun"
+  rc, out = srun({**cluster, **MOCKED}, [*IMAGENET, "--workdir", str(workdir)])
+  if rc != 0 and PMI2_GARBLED in out:
+    # Known, not understood (docs/design/launchers.md, "Not done"): in about 1 of 3 runs of
+    # this job slurmstepd receives Python source text as a PMI-2 request and MPI_Init fails
+    # before mnjax runs. One more try; a second failure fails the test.
+    workdir = tmp_path / "srun_again"
+    rc, out = srun({**cluster, **MOCKED}, [*IMAGENET, "--workdir", str(workdir)])
   assert rc == 0, out[-5000:]
   on_slurm = digests(out)
   assert on_slurm["0"] == on_slurm["1"], on_slurm  # one replica
-  config = json.loads((tmp_path / "srun" / "config.json").read_text())
+  config = json.loads((workdir / "config.json").read_text())
   assert config["topology"]["size"] == 2 and config["topology"]["inter_size"] == 2, config
   result = run_mpi(2, [*IMAGENET[1:], "--workdir", str(tmp_path / "mpirun")], timeout=300,
                    env=MOCKED)
