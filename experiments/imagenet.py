@@ -22,7 +22,7 @@ directory gets ``config.json``, ``metrics.jsonl`` (also as TensorBoard scalars i
 ``--checkpoint_every`` epochs and ``--checkpoint_steps`` steps: parameters, batch
 statistics, optimizer state and the data position). A killed run continues exactly where
 its newest checkpoint left off with ``--resume``; the loop is the digits job's
-(`mnjax.train.train_loop`: abort on error, stall watchdog, non-finite step skipping, replica
+(`lab.runner.train_loop`: abort on error, stall watchdog, non-finite step skipping, replica
 comparison after each epoch).
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -38,11 +39,14 @@ import flax.linen as nn
 import jax
 import optax
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/, beside mnjax/
+
+import lab.runner
 import mnjax
-from mnjax import models
+from lab import models
+from lab.runner import flag
 from mnjax.data import Loader, augment
 from mnjax.optim import recipes
-from mnjax.train import flag
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # The names the configs had when they were a dict in this script.
@@ -54,7 +58,7 @@ OPTIMIZERS = ("goyal", "lars", "rmsprop_warmup")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config(mnjax.train.RunConfig):
+class Config(lab.runner.RunConfig):
   """Everything that defines a run; written to ``config.json``."""
 
   # Fields that fix the data order and the optimizer: a resumed run must keep them.
@@ -82,7 +86,7 @@ class Config(mnjax.train.RunConfig):
 
 def parse_args(argv: list[str] | None = None) -> Config:
   """The run's `Config`: ``--config`` (default ``resnet18_digits``) and any field as a flag."""
-  return mnjax.train.parse_flags(Config, argv, default="resnet18_digits", configs_dir=CONFIGS,
+  return lab.runner.parse_flags(Config, argv, default="resnet18_digits", configs_dir=CONFIGS,
                                  aliases=ALIASES, description=__doc__.splitlines()[0])
 
 
@@ -127,16 +131,16 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   norm = functools.partial(mnjax.SyncBatchNorm, comm) if config.sync_bn else nn.BatchNorm
   model = MODELS[config.model](num_classes=train_source.num_classes, stem=config.stem, norm=norm,
                                bn_momentum=config.bn_momentum)
-  tx = mnjax.train.guarded_optimizer(optimizer(config, steps), comm, config)
+  tx = lab.runner.guarded_optimizer(optimizer(config, steps), comm, config)
   sample = eval_fn(train_source[0][0], None)[None]  # one preprocessed image: the input shape
-  state = mnjax.train.create_train_state(model, tx, sample, jax.random.key(config.seed))
+  state = lab.runner.create_train_state(model, tx, sample, jax.random.key(config.seed))
   # Rank 0's parameters on every rank (the optimizer state follows from them; with
   # --shard_optimizer each rank holds its own share of it).
   state = state.replace(params=mnjax.broadcast(state.params, comm, root=0))
 
-  return mnjax.train.train_loop(
+  return lab.runner.train_loop(
       config, comm, state,
-      mnjax.train.make_train_step(comm, label_smoothing=config.label_smoothing),
+      lab.runner.make_train_step(comm, label_smoothing=config.label_smoothing),
       lambda epoch, start: train_loader.epoch(epoch, start=start), steps_per_epoch=steps,
       eval_batches=(lambda: test_loader.epoch(0)) if test_loader is not None else None,
       learning_rate=learning_rate(config, steps),

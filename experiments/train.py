@@ -17,7 +17,7 @@ epoch, and every ``--checkpoint_steps``) and the final ``params.npz`` to ``--wor
 Expected: >= 97% test accuracy after the default 20 epochs, at any number of ranks that
 divides the global batch.
 
-Failures end the job instead of hanging it (`mnjax.train.train_loop`): an exception on any
+Failures end the job instead of hanging it (`lab.runner.train_loop`): an exception on any
 rank aborts all of them, the stall watchdog aborts when ranks drift ``--stall_timeout``
 seconds apart, a step with a non-finite gradient is skipped on every rank, and the replicas
 are compared after every epoch. A killed run continues where its last checkpoint left off,
@@ -29,21 +29,25 @@ bit for bit:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import ClassVar
 
 import jax
 import optax
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/, beside mnjax/
+
+import lab.runner
 import mnjax
-from mnjax.models import SmallCNN
-from mnjax.train import flag, make_train_step
+from lab.models import SmallCNN
+from lab.runner import flag, make_train_step
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config(mnjax.train.RunConfig):
+class Config(lab.runner.RunConfig):
   """Everything that defines a run; written to ``config.json``."""
 
   # Fields that fix the data order and the optimizer: a resumed run must keep them.
@@ -56,7 +60,7 @@ class Config(mnjax.train.RunConfig):
 
 def parse_args(argv: list[str] | None = None) -> Config:
   """The run's `Config`: ``--config`` (default ``digits``) and any field as a flag."""
-  return mnjax.train.parse_flags(Config, argv, default="digits", configs_dir=CONFIGS,
+  return lab.runner.parse_flags(Config, argv, default="digits", configs_dir=CONFIGS,
                                  description=__doc__.splitlines()[0])
 
 
@@ -67,8 +71,8 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
   train = mnjax.data.load(config.dataset, "train")
   test = mnjax.data.load(config.dataset, "test")
 
-  tx = mnjax.train.guarded_optimizer(optax.adam(config.learning_rate), comm, config)
-  state = mnjax.train.create_train_state(SmallCNN(num_classes=train.num_classes), tx,
+  tx = lab.runner.guarded_optimizer(optax.adam(config.learning_rate), comm, config)
+  state = lab.runner.create_train_state(SmallCNN(num_classes=train.num_classes), tx,
                                          train.images[:1], jax.random.key(config.seed))
   # Rank 0's parameters on every rank (the optimizer state follows from them; with
   # --shard_optimizer each rank holds its own share of it).
@@ -82,14 +86,14 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
     for idx, _ in list(epoch_order(epoch))[start:]:
       yield train.images[idx], train.labels[idx]
 
-  state, record = mnjax.train.train_loop(
+  state, record = lab.runner.train_loop(
       config, comm, state, make_train_step(comm), batches,
       steps_per_epoch=sum(1 for _ in epoch_order(0)),
-      eval_batches=lambda: mnjax.train.eval_batches(test.images, test.labels, comm,
+      eval_batches=lambda: lab.runner.eval_batches(test.images, test.labels, comm,
                                                     config.global_batch_size),
       learning_rate=config.learning_rate,
       header=f"SmallCNN on {config.dataset} ({len(train)} train / {len(test)} test examples)")
-  mnjax.train.save_params(config.workdir, state.params, comm)
+  lab.runner.save_params(config.workdir, state.params, comm)
   return state, record
 
 

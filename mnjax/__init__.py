@@ -22,8 +22,10 @@ The layers, each a subpackage whose ``__init__`` is its API (imports flow downwa
 * `mnjax.data` — sharding, dataset sources, the loader, augmentations;
 * `mnjax.checkpoint` — verified, resumable checkpoints;
 * `mnjax.model_parallel` — a model whose stages live on ranks (`MultiNodeChain`), GPipe;
-* `mnjax.train` — `data_parallel`, exact metrics, the reference classifier and loop;
-* `mnjax.models`, `mnjax.costmodel`, `mnjax.bench` — models, the scaling model, benchmarks.
+* `mnjax.train` — `data_parallel`, exact metrics, the multi-node evaluator and early stopping.
+
+Benchmarks, the emulated cluster, the cost model and the experiments' runner live in the
+checkout's `lab/`, which imports mnjax and is not installed with it.
 
 The names below are the ones most scripts need.
 """
@@ -32,12 +34,10 @@ from mnjax import (
     checkpoint,
     collectives,
     comm,
-    costmodel,
     data,
     functions,
     guard,
     model_parallel,
-    models,
     nn,
     optim,
     train,
@@ -77,7 +77,6 @@ __all__ = [
     "checkpoint",
     "collectives",
     "comm",
-    "costmodel",
     "create_communicator",
     "create_multi_node_optimizer",
     "data",
@@ -89,7 +88,6 @@ __all__ = [
     "local_batch_size",
     "mean_metrics",
     "model_parallel",
-    "models",
     "nn",
     "optim",
     "process_local",

@@ -42,9 +42,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import optax
 
+sys.path.insert(0, str(Path.cwd().parent))  # lab/ lives beside notebooks/ in the checkout
+
 import mnjax
-from mnjax.models import SmallCNN
-from mnjax.train._classifier import create_train_state, make_train_step
+from lab.models import SmallCNN
+from lab.runner import create_train_state, make_train_step
 
 REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
 SMOKE = os.environ.get("MNJAX_NOTEBOOK_SMOKE") == "1"

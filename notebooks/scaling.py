@@ -17,9 +17,9 @@
 # # Scaling: what we measure here, and what the cost model predicts out to 1024 GPUs
 #
 # No machine of this project has more than two CPU cores, so the road to 128-1024 GPUs is a
-# cost model (`mnjax.costmodel`): alpha-beta models of the allreduce algorithms behind each
+# cost model (`lab.costmodel`): alpha-beta models of the allreduce algorithms behind each
 # communicator kind, a step-time model with overlap, wire dtype and bucketing, calibrated on
-# what `python -m mnjax.bench` measures here and **validated against published results
+# what `python -m lab.bench` measures here and **validated against published results
 # before it predicts anything**.
 #
 # This notebook
@@ -46,10 +46,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from mnjax import costmodel as cm
-from mnjax.costmodel import allreduce as ar
-from mnjax.costmodel import hardware as hw
-from mnjax.costmodel import published, step
+sys.path.insert(0, str(Path.cwd().parent))  # lab/ lives beside notebooks/ in the checkout
+
+from lab import costmodel as cm
+from lab.costmodel import allreduce as ar
+from lab.costmodel import hardware as hw
+from lab.costmodel import published, step
 
 REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
 SMOKE = os.environ.get("MNJAX_NOTEBOOK_SMOKE") == "1"
@@ -71,8 +73,8 @@ def save(fig, name):
 # machine, `mpirun --bind-to core`). `MNJAX_RUN_BENCHMARKS=1` measures afresh into `runs/bench/`:
 #
 # ```
-# python -m mnjax.bench allreduce          # 4 B - 128 MB, every method, 2 ranks (~10 min)
-# python -m mnjax.bench scaling            # digits step at 1, 2, 3, 4 ranks (~5 min)
+# python -m lab.bench allreduce          # 4 B - 128 MB, every method, 2 ranks (~10 min)
+# python -m lab.bench scaling            # digits step at 1, 2, 3, 4 ranks (~5 min)
 # ```
 
 # %%
@@ -82,7 +84,7 @@ if RUN:
     if SMOKE:
       extra += (["--max_bytes", "7e7", "--rounds", "1", "--seconds", "0.01"]
                 if bench == "allreduce" else ["--ranks", "1", "2", "--steps", "3", "--rounds", "1"])
-    subprocess.run([sys.executable, "-m", "mnjax.bench", bench, *extra,
+    subprocess.run([sys.executable, "-m", "lab.bench", bench, *extra,
                     "--out", str(REPO / "runs" / "bench" / f"{bench}.json")], check=True, cwd=REPO)
   RESULTS = REPO / "runs" / "bench"
 allreduce_json = json.loads((RESULTS / "allreduce.json").read_text())
@@ -187,7 +189,7 @@ display(Markdown(
 # %% [markdown]
 # ## 5. Validation: published points before predictions
 #
-# Each case's inputs and their sources are in `mnjax/costmodel/published.py`;
+# Each case's inputs and their sources are in `lab/costmodel/published.py`;
 # `tests/unit/test_costmodel.py` fails when a prediction leaves its tolerance.
 
 # %%
@@ -309,7 +311,7 @@ for preset in setups:
 # %%
 import jax
 
-from mnjax.models import ResNet50
+from lab.models import ResNet50
 
 image = jax.numpy.zeros((1, 224, 224, 3))
 shapes = jax.eval_shape(lambda: ResNet50().init(jax.random.key(0), image, train=False))["params"]
@@ -343,16 +345,16 @@ display(Markdown(f"At {GPUS[-1]} GPUs:\n\n| cluster | kind | none | backward | d
 # %% [markdown]
 # ## 8. From the compiler: ResNet-50 compiled for 8 H200
 #
-# `python -m mnjax.bench aot` (the CUDA plugin's venv, no GPU: `docs/results/aot.md`) compiles
+# `python -m lab.bench aot` (the CUDA plugin's venv, no GPU: `docs/results/aot.md`) compiles
 # the experiments' step for 8 H200 and reads what the sections above assume: the **compute**
 # per step from XLA's cost analysis (flops over the TF32 peak and bytes over HBM bandwidth, the
-# larger of the two: a roofline lower bound, `mnjax.costmodel.compiled`), and the **overlap**
+# larger of the two: a roofline lower bound, `lab.costmodel.compiled`), and the **overlap**
 # from the compiled schedule (the share of the gradient bytes whose all-reduce XLA scheduled
 # beside compute), with the all-reduces as XLA combined them. Solid: the compiled overlap;
 # dashed: none of it hidden; dotted: section 7's assumed backprop overlap with the same compute.
 
 # %%
-from mnjax.costmodel import compiled as cc
+from lab.costmodel import compiled as cc
 
 aot_json = json.loads((REPO / "docs" / "results" / "bench" / "aot.json").read_text())
 node = next(iter(aot_json["targets"].values()))
@@ -399,9 +401,9 @@ display(Markdown(
 # %% [markdown]
 # ## 9. A cluster on one box: measured points on the link model's curves
 #
-# `python -m mnjax.bench cluster` (root; `mnjax.cluster`: network namespaces joined by veth
+# `python -m lab.bench cluster` (root; `lab.cluster`: network namespaces joined by veth
 # pairs, each uplink shaped with tc to a rate) times the gradient exchange and train steps
-# across emulated nodes (docs/results/cluster.md). The model is `mnjax.costmodel.link`:
+# across emulated nodes (docs/results/cluster.md). The model is `lab.costmodel.link`:
 # `alpha + uplink bytes / bandwidth` per exchange (per bucket in a step), alpha and bandwidth
 # fitted once on each link before the other points are predicted. Left: the 102 MB (ResNet-50)
 # exchange per kind and wire at 1 Gbit/s on the line of its own link's fit. Right: the step
@@ -411,7 +413,7 @@ display(Markdown(
 # committed JSON; the benchmark is not run here (it needs root and ~20 min).
 
 # %%
-from mnjax.costmodel import link
+from lab.costmodel import link
 
 cluster_json = json.loads((REPO / "docs" / "results" / "bench" / "cluster.json").read_text())
 cluster_steps = json.loads(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: data-parallel training of the small CNN on the UCI digits with `mpirun -n 2`
-# (ranks bound to cores, as on a cluster: see mnjax/bench/step.py for why it matters).
+# (ranks bound to cores, as on a cluster: see lab/bench/step.py for why it matters).
 #   scripts/train.sh                        # 2 ranks, experiments/configs/digits.py
 #   scripts/train.sh --epochs 5             # any config field is a flag (experiments/train.py --help)
 #   MNJAX_RANKS=4 scripts/train.sh --epochs 5 --workdir runs/digits-4

@@ -7,6 +7,7 @@
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Before jax is imported: two CPU devices per process (so the multi-device kinds run as
 # 1 x 2 here and as 2 x 2 and 3 x 2 under tests/jobs/test_mpirun.py, which inherits this), quiet
@@ -16,6 +17,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One persistent compilation cache for the whole run, inherited by every mpirun job it
 # launches: the ResNet jobs compile the same steps several times (start, resume).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mnjax-jax-cache-"))
+# lab/ is not installed: every process a test starts imports it from the checkout.
+_REPO = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 import pytest
 

@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
 import mnjax
+from lab.models import SmallCNN
 from mnjax.comm import _buckets as bucketing
 from mnjax.comm._primitives import allreduce_sum
-from mnjax.models import SmallCNN
 
 world = MPI.COMM_WORLD
 ndev = jax.local_device_count()

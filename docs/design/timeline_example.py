@@ -3,7 +3,7 @@
     MNJAX_TIMELINE=runs/timeline/trace.json .venv/bin/mpirun --bind-to core -n 2 \
         .venv/bin/python docs/design/timeline_example.py 0.05 --dataset digits --epochs 2 \
         --workdir runs/timeline/w --no-progress
-    .venv/bin/python -m mnjax.timeline view runs/timeline/trace.json --steps 3 \
+    .venv/bin/python -m lab.timeline view runs/timeline/trace.json --steps 3 \
         --first 30 --out docs/timeline.png
 
 experiments/train.py, except that the last rank sleeps SECONDS inside every train step (a
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 import train
 
 import mnjax
-from mnjax.train._classifier import _train_step, step_for_kind
+from lab.runner._classifier import _train_step, step_for_kind
 
 
 def main(seconds: float, argv: list[str]) -> None:

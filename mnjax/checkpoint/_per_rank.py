@@ -15,7 +15,7 @@ and `Checkpointer.save` refuses it on every rank otherwise, before anything is w
   of the digests). The message names the leaves and the fix for what it recognises:
 
   - a double-buffered pending gradient (`DoubleBufferingState`) not flushed:
-    `mnjax.train.flush_pending` (`mnjax.train.train_loop` flushes before each save);
+    `mnjax.train.flush_pending` (`lab.runner.train_loop` flushes before each save);
   - BatchNorm statistics (a path through ``batch_stats``) of per-replica ``nn.BatchNorm``:
     `mnjax.SyncBatchNorm`, or `mnjax.allreduce_persistent` before saving;
   - a PRNG key drawn per rank: one key in the state, ``fold_in(key, comm.rank)`` in the step;
@@ -100,7 +100,7 @@ def _fix(paths: list[str], state: Any) -> str:
         "the double-buffered pending gradient (allreduce_gradients(comm, double_buffering="
         "True)) is each replica's own until it is flushed, and it was not flushed: call"
         " opt_state = mnjax.train.flush_pending(opt_state, comm) on every rank before saving,"
-        " and train on with that state (mnjax.train.train_loop does both)")
+        " and train on with that state (lab.runner.train_loop does both)")
   if any("['batch_stats']" in p for p in paths):
     fixes.append(
         "BatchNorm statistics of per-replica flax nn.BatchNorm differ between replicas: use"

@@ -35,12 +35,12 @@ def default_bucket_bytes(comm: Communicator) -> int:
   """The bucket cap ``bucket_bytes="auto"`` gives on `comm`'s platform.
 
   CPU, 256 KiB: fuse only small leaves, so that every larger leaf travels alone and is
-  reduced in place in its own shape (`allreduce_tree`). ``python -m mnjax.bench allreduce``
+  reduced in place in its own shape (`allreduce_tree`). ``python -m lab.bench allreduce``
   on ResNet-50's 161 leaves, 2 ranks (docs/design/allreduce.md): 16.8 ms, 2.48x raw MPI on
   one fused buffer and 0.79x raw MPI in place per leaf; 64 KiB and 1 MiB caps within 6%,
   the old 4 MiB 1.6x slower, one buffer 9x.
   GPU, 4 MiB, from the cost model until a GPU measures it:
-  `mnjax.costmodel.step.best_bucket_bytes` for ResNet-50 on 8 and 1024 H200s (NDR),
+  `lab.costmodel.step.best_bucket_bytes` for ResNet-50 on 8 and 1024 H200s (NDR),
   ``flat`` and ``xla``, with an assumed 30 us per call (a stream synchronisation and host
   staging in mpi4jax's CUDA handler), picks 4 MiB (tests/unit/test_costmodel.py checks that they
   agree); the margins are small (under 0.5% of a 12 ms step between 1 and 16 MiB).

@@ -146,7 +146,7 @@ def leaves_early(comm: Communicator) -> bool:
   (GPUs: the exchange overlaps the rest of the backward pass) instead of after every leaf.
 
   Not on CPUs: there a rank's MPI call waits by polling a core its own backward pass needs
-  (one core per rank), and leaving early gained nothing: ``python -m mnjax.bench step``
+  (one core per rank), and leaving early gained nothing: ``python -m lab.bench step``
   (2 ranks, --bind core, side by side in one run, three runs of 2026-12-01) measured 0.887,
   0.888, 0.888 of the no-communication throughput leaving early against 0.884, 0.930, 0.892
   waiting. The order of the buckets (the last layers' first) is the same either way, and

@@ -169,7 +169,7 @@ def resolve_kind(kind: str) -> str:
   ``xla`` where JAX will run on GPUs: NCCL through XLA's collectives, which XLA schedules
   alongside compute; mpi4jax's GPU handlers synchronise the stream and stage every call
   through host memory (README, "On GPUs"). ``flat`` on CPUs: the fastest MPI kind measured
-  here (`python -m mnjax.bench kinds`). Local: reads the CUDA driver and JAX's state only.
+  here (`python -m lab.bench kinds`). Local: reads the CUDA driver and JAX's state only.
 
   Example:
     >>> resolve_kind("auto")   # on a CPU machine

@@ -62,15 +62,6 @@ __all__ = [
 #: summed as float32 (`sum_dtype`), never by MPI in 16 bits.
 NO_MPI_DATATYPE: tuple[np.dtype, ...] = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
-_registered = False
-
-
-def _register_native() -> None:
-  global _registered
-  if not _registered:
-    for name, capsule in native.handlers().items():
-      ffi.register_ffi_target(name, capsule, platform="cpu")
-    _registered = True
 
 
 def _handle(comm: MPI.Comm) -> int:
@@ -163,7 +154,7 @@ def _cpu(target, attrs, aliases=None):
   while a timeline records carries its `tag` (`mnjax.comm._recorder`) to the ``_tagged``
   handler; without one it lowers as if the timeline did not exist."""
   def rule(ctx, x, after, *, tag=0, **params):
-    _register_native()
+    native.register()
     kw = {"operand_output_aliases": aliases} if aliases else {}
     extra = {"tag": np.int64(tag)} if tag else {}
     lowering = ffi.ffi_lowering(target + ("_tagged" if tag else ""), has_side_effect=True, **kw)

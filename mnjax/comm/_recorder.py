@@ -248,9 +248,7 @@ def completion(tree: Any) -> jax.Array:
 
 
 def _mark_lowering(ctx, step, after, *, kind):
-  from mnjax.comm import _primitives as mpi_ops  # noqa: PLC0415 (registers the handlers)
-
-  mpi_ops._register_native()
+  native.register()
   return ffi.ffi_lowering("mnjax_mark", has_side_effect=True)(ctx, step, after,
                                                               kind=np.int64(kind))
 

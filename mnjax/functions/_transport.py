@@ -34,6 +34,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
+from mnjax.comm import _native as native
 from mnjax.comm import _primitives as mpi_ops
 from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator
@@ -206,7 +207,7 @@ def _lower_cpu(ctx, *operands, target, comm_handle, attrs, count, shape, dtype, 
   del shape, dtype
   if check is not None:
     check.run()  # the pairing check of a plain jax.jit step: before it ever runs
-  mpi_ops._register_native()  # one registration for every handler
+  native.register()  # one registration for every handler
   kw = {"operand_output_aliases": {0: 0}} if aliased else {}
   lowering = ffi.ffi_lowering(target, has_side_effect=True, **kw)
   values = dict(attrs)

@@ -6,7 +6,7 @@ every in-step collective; host collectives and point-to-point ops record themsel
 steps are marked), aligns every rank's clock to rank 0's (`mnjax.guard._clock`, refreshed
 at each `end_epoch`), gathers the events to rank 0 at each epoch's end and at `close`, splits
 each collective into wait and exchange (`mnjax.guard._straggler`), and rank 0 writes one trace
-JSON (`mnjax.guard._trace`) at the end. ``MNJAX_TIMELINE=path`` makes `mnjax.train.train_loop`
+JSON (`mnjax.guard._trace`) at the end. ``MNJAX_TIMELINE=path`` makes `lab.runner.train_loop`
 open one.
 
 Off, nothing is traced into a step (the lowered program is the one without a timeline). On,
@@ -32,7 +32,7 @@ from mnjax.guard._trace import trace_events
 
 __all__ = ["ENV", "Timeline", "from_env", "last_report"]
 
-#: The environment variable `mnjax.train.train_loop` reads: a trace path turns the timeline on.
+#: The environment variable `lab.runner.train_loop` reads: a trace path turns the timeline on.
 ENV = "MNJAX_TIMELINE"
 
 _LAST: dict[str, Any] = {"report": None}
@@ -79,7 +79,7 @@ class Timeline:
   Args:
     comm: the `Communicator`.
     path: where rank 0 writes the trace JSON (``{"traceEvents": [...]}``; open it in
-      https://ui.perfetto.dev or chrome://tracing; ``python -m mnjax.timeline view``).
+      https://ui.perfetto.dev or chrome://tracing; ``python -m lab.timeline view``).
     max_events: the most events kept; beyond it the oldest steps are dropped.
     clock_rounds: ping-pong rounds per clock estimate.
     verbose: rank 0 prints the clock alignment, and the straggler report at `close`.

@@ -9,7 +9,7 @@ Complete events (``"ph": "X"``, ``ts`` and ``dur`` in microseconds from the firs
   (the buffer reduced, before any 16-bit wire conversion), ``wire_bytes`` (what the
   handlers moved), ``bucket``, ``step``, ``wait_us``, ``host`` (false);
 * ``tid 3`` **phase**: the step cut into ``compute`` / ``wait`` / ``exchange`` segments
-  (``cat`` the same), what ``python -m mnjax.timeline view`` colours;
+  (``cat`` the same), what ``python -m lab.timeline view`` colours;
 * ``tid 4`` **host collectives** (``args.host`` true): `mnjax.broadcast`, the pre-flight
   checks, host allreduces (metrics), with the step the host was at (-1 before the first).
 """

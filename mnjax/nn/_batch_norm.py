@@ -88,9 +88,7 @@ class SyncBatchNorm(nn.Module):
 
   Example:
     >>> norm = functools.partial(mnjax.SyncBatchNorm, comm)
-    >>> model = mnjax.models.ResNet50(norm=norm)      # every BN layer synchronized
-    >>> logits, new = model.apply(  # doctest: +SKIP
-    ...     variables, images, train=True, mutable=["batch_stats"])
+    >>> bn = norm(use_running_average=False)          # in place of nn.BatchNorm(...)
     >>> layer = mnjax.SyncBatchNorm(comm, use_running_average=False)   # or one layer
     >>> x = jnp.arange(8.0).reshape(4, 2)            # this rank's 4 examples
     >>> y, new = layer.apply(layer.init(jax.random.key(0), x), x, mutable=["batch_stats"])

@@ -54,7 +54,7 @@ def create_mnbn_model(model: nn.Module, comm: Communicator) -> nn.Module:
 
   The result is an instance of a subclass of ``type(model)`` (same name, same fields, same
   call signature), used exactly like `model`: ``init``, ``apply`` (also ``method=``), as a
-  submodule, with `mnjax.train.create_train_state`. Its variables have the same tree
+  submodule, in a train state. Its variables have the same tree
   (paths, shapes, dtypes) as `model`'s, so a checkpoint of either restores into the other;
   `model` itself is not changed. On one replica it computes what `model` computes; on
   several, what `model` computes on the global batch. As with `SyncBatchNorm`, apply it in
@@ -62,7 +62,7 @@ def create_mnbn_model(model: nn.Module, comm: Communicator) -> nn.Module:
 
   Args:
     model: an unbound flax module (not yet initialised or bound), made outside any other
-      module (e.g. ``mnjax.models.ResNet50()``).
+      module (e.g. a flax ResNet).
     comm: the `Communicator` the batch statistics are summed over.
 
   Returns:
@@ -73,14 +73,13 @@ def create_mnbn_model(model: nn.Module, comm: Communicator) -> nn.Module:
     ValueError: `model` is bound or belongs to another module.
 
   Example:
-    >>> model = mnjax.nn.create_mnbn_model(mnjax.models.ResNet18(num_classes=10), comm)
-    >>> type(model).__name__, isinstance(model, mnjax.models.ResNet)
-    ('ResNet', True)
     >>> class Small(nn.Module):                       # BatchNorm made inline
     ...   @nn.compact
     ...   def __call__(self, x):
     ...     return nn.BatchNorm(use_running_average=False)(nn.Dense(2)(x))
     >>> synced = mnjax.nn.create_mnbn_model(Small(), comm)
+    >>> type(synced).__name__, isinstance(synced, Small)
+    ('Small', True)
     >>> x = jnp.arange(8.0).reshape(4, 2)
     >>> variables = synced.init(jax.random.key(0), x)  # the same tree as Small()'s
     >>> y, _ = synced.apply(variables, x, mutable=["batch_stats"])
@@ -90,7 +89,7 @@ def create_mnbn_model(model: nn.Module, comm: Communicator) -> nn.Module:
   caller = "create_mnbn_model"
   check_communicator(comm, caller)
   if not isinstance(model, nn.Module):
-    raise TypeError(f"{caller}: expected a flax linen Module (e.g. mnjax.models.ResNet50()),"
+    raise TypeError(f"{caller}: expected a flax linen Module (e.g. a flax ResNet),"
                     f" got {type(model).__name__}.")
   if model.scope is not None or model.parent is not None:
     raise ValueError(

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mnjax.optim._linear_scaling import linear_scaling
+
 __all__ = ["RmspropWarmupState", "akiba_blend", "rmsprop_warmup", "slow_start_schedule"]
 
 # Slow start: the multiple of the linearly scaled rate from each epoch on.
@@ -114,8 +116,6 @@ def slow_start_schedule(global_batch_size: int, steps_per_epoch: int, *, base_lr
   if not base_lr > 0:
     raise ValueError(f"slow_start_schedule: base_lr must be > 0 (the paper: 0.1 per 256"
                      f" examples), got {base_lr!r}.")
-  from mnjax.optim.recipes import linear_scaling  # noqa: PLC0415 (recipes imports this module)
-
   peak = linear_scaling(global_batch_size, base_lr, base_batch_size)
   boundaries = jnp.asarray([e * steps_per_epoch for e in SLOW_START_EPOCHS[1:]], jnp.int32)
   rates = jnp.asarray([peak * f for f in SLOW_START_FACTORS], jnp.float32)

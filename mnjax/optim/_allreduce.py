@@ -71,7 +71,7 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
       ``bucket_cap_mb`` and Horovod's fusion threshold; a larger leaf travels alone,
       unpacked. ``"auto"`` (default): the cap chosen for the communicator's platform
       (`mnjax.comm.default_bucket_bytes`: measured on CPU with ``python -m
-      mnjax.bench allreduce``, from the cost model on GPU); None fuses each dtype into one
+      lab.bench allreduce``, from the cost model on GPU); None fuses each dtype into one
       buffer (fewest calls: ChainerMN's behaviour).
     preflight_timeout: seconds a rank waits, when the step is first traced, for every
       other rank to reach the same pre-flight check (`mnjax.guard._preflight`); then it raises

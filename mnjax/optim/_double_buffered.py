@@ -60,7 +60,7 @@ def double_buffered_optimizer(tx: optax.GradientTransformation, comm: Communicat
   step ``t`` computes (``allreduce_gradients(comm, double_buffering=True)``: module
   docstring of `mnjax.optim._double_buffering`); step 0 only stores its gradient, leaves
   `tx`'s state untouched and returns a zero update. Before a checkpoint, call
-  `mnjax.train.flush_pending` on the state (`mnjax.train.train_loop` does).
+  `mnjax.train.flush_pending` on the state (`lab.runner.train_loop` does).
 
   Args:
     tx: the actual optimizer (any optax transformation; extra ``update`` arguments are

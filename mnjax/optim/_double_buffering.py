@@ -19,7 +19,7 @@ from step to step, but a host read of it sees device 0's.)
 `mnjax.train.flush_pending` (collective, between steps) replaces it by its global sum, the
 same on every rank and device, marked as reduced (`Checkpointer.save` refuses, on every
 rank, a pending gradient that differs between replicas, i.e. one not flushed): the next
-step applies it instead of its exchange's result. `mnjax.train.train_loop` flushes before
+step applies it instead of its exchange's result. `lab.runner.train_loop` flushes before
 every checkpoint and trains on with the flushed state, so a run resumed from that checkpoint
 is bitwise the uninterrupted one.
 

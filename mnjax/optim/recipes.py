@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import optax
 
 from mnjax.optim._akiba import (
-    RmspropWarmupState,
-    akiba_blend,
-    rmsprop_warmup,
-    slow_start_schedule,
+  RmspropWarmupState,
+  akiba_blend,
+  rmsprop_warmup,
+  slow_start_schedule,
 )
+from mnjax.optim._linear_scaling import linear_scaling
 
 __all__ = [
   "RmspropWarmupState",
@@ -47,21 +48,6 @@ __all__ = [
   "slow_start_schedule",
   "smoothed_cross_entropy",
 ]
-
-
-def linear_scaling(global_batch_size: int, base_lr: float = 0.1,
-                   base_batch_size: int = 256) -> float:
-  """The linear scaling rule: ``base_lr x global_batch_size / base_batch_size``.
-
-  Example:
-    >>> linear_scaling(8192)
-    3.2
-  """
-  if global_batch_size < 1 or base_batch_size < 1:
-    raise ValueError(
-        f"linear_scaling: batch sizes must be >= 1, got global {global_batch_size},"
-        f" base {base_batch_size}.")
-  return base_lr * global_batch_size / base_batch_size
 
 
 def goyal_schedule(global_batch_size: int, steps_per_epoch: int, *, base_lr: float = 0.1,

@@ -1,6 +1,6 @@
 """`generic_multi_node_evaluator`: metrics that do not add up, over every rank's shard.
 
-`mnjax.train.evaluate` reduces additive sums (loss sum, correct, count) with
+`lab.runner.evaluate` reduces additive sums (loss sum, correct, count) with
 `mnjax.allreduce_metrics`: exact, and the way to evaluate accuracy and mean loss. Some
 metrics are not sums — a median, an AUC, a BLEU score over a test set cut into uneven shards
 (``scatter_dataset(..., force_equal_length=False)``: no duplicates). ChainerMN's

@@ -37,7 +37,7 @@ def flush_pending(opt_state: Any, comm: Communicator) -> Any:
 
   Collective: call on every rank between steps, with the state the last step returned. The
   next step applies the flushed sum instead of its own exchange's result; train on with the
-  returned state (`mnjax.train.train_loop` does, before every checkpoint), so that a run
+  returned state (`lab.runner.train_loop` does, before every checkpoint), so that a run
   resumed from it is bitwise the uninterrupted one. (The flushed sum is a float32-exact
   exchange on its own buckets: within rounding of what the step would have exchanged.)
 

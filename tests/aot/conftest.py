@@ -4,7 +4,7 @@ for GPUs that are not here: JAX itself runs on the CPU only."""
 
 import os
 
-from mnjax import aot
+from lab import aot
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before the plugin starts
 if not aot.plugin_installed():

@@ -1,4 +1,4 @@
-"""The train step compiled for 2 H200 without a GPU (`mnjax.aot`): what its schedule proves.
+"""The train step compiled for 2 H200 without a GPU (`lab.aot`): what its schedule proves.
 
 A small model (two convolutions, BatchNorm, a classifier) on a 2-GPU topology: the first
 gradient bucket's all-reduce starts before the last backward convolution; with double
@@ -20,8 +20,9 @@ import flax.linen as nn
 import optax
 import pytest
 
+import lab.runner
 import mnjax
-from mnjax import aot
+from lab import aot
 from mnjax.comm._collectives import buckets_leave_early
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,11 +115,11 @@ def test_shard_optimizer_state_is_one_over_p_in_memory_analysis(target):
     return c.memory["argument"] - fixed - batch_bytes
 
   batch_bytes = 8 * (8 * 8 * 3 * 4 + 4)
-  _, whole, whole_state = compiled(target, "flat", lambda comm: mnjax.train.guarded_optimizer(
-      optax.adam(1e-3), comm, mnjax.train.RunConfig(epochs=1, global_batch_size=16,
+  _, whole, whole_state = compiled(target, "flat", lambda comm: lab.runner.guarded_optimizer(
+      optax.adam(1e-3), comm, lab.runner.RunConfig(epochs=1, global_batch_size=16,
                                                      workdir="runs/x")))
-  _, shard, shard_state = compiled(target, "flat", lambda comm: mnjax.train.guarded_optimizer(
-      optax.adam(1e-3), comm, mnjax.train.RunConfig(epochs=1, global_batch_size=16,
+  _, shard, shard_state = compiled(target, "flat", lambda comm: lab.runner.guarded_optimizer(
+      optax.adam(1e-3), comm, lab.runner.RunConfig(epochs=1, global_batch_size=16,
                                                      workdir="runs/x", shard_optimizer=True)))
   ratio = state_in_memory(shard, shard_state, batch_bytes) / state_in_memory(
       whole, whole_state, batch_bytes)
@@ -130,8 +131,8 @@ def test_every_process_compiles_the_same_collectives_in_the_same_order(target):
   first, _, _ = compiled(target, "flat", lambda c: adam(c), rank=0)
   last, _, _ = compiled(target, "flat", lambda c: adam(c), rank=target.gpus - 1)
   assert first.sequence() and first.sequence() == last.sequence()
-  xla = [compiled(target, "xla", lambda c: mnjax.train.guarded_optimizer(
-      optax.sgd(0.1), c, mnjax.train.RunConfig(epochs=1, global_batch_size=16,
+  xla = [compiled(target, "xla", lambda c: lab.runner.guarded_optimizer(
+      optax.sgd(0.1), c, lab.runner.RunConfig(epochs=1, global_batch_size=16,
                                                 workdir="runs/x")), rank=r)[0].sequence()
          for r in (0, target.gpus - 1)]
   assert xla[0] and xla[0] == xla[1]
@@ -154,7 +155,7 @@ def test_unknown_gpu_and_bad_topology_list_the_known_ones():
 @pytest.mark.slow
 def test_bench_quick_prints_the_summary_last(tmp_path):
   env = dict(os.environ)
-  out = subprocess.run([sys.executable, "-m", "mnjax.bench", "aot", "--quick", "--out",
+  out = subprocess.run([sys.executable, "-m", "lab.bench", "aot", "--quick", "--out",
                         str(tmp_path / "aot.json")], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=1500)
   assert out.returncode == 0, out.stderr[-3000:]

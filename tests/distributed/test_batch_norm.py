@@ -16,6 +16,7 @@ import optax
 import pytest
 from mpi4py import MPI
 
+import lab.models
 import mnjax
 from mnjax.comm import _collectives as collectives
 
@@ -328,7 +329,7 @@ def test_switching_to_sync_batch_norm_keeps_the_variable_paths(comm):
   want = variable_paths(Unnamed(), x)
   assert variable_paths(Unnamed(norm=norm), x) == want
   assert {"['params']['BatchNorm_2']['scale']", "['batch_stats']['BatchNorm_2']['var']"} < set(want)
-  resnet = functools.partial(mnjax.models.ResNet18, num_classes=5, stem="cifar")
+  resnet = functools.partial(lab.models.ResNet18, num_classes=5, stem="cifar")
   assert variable_paths(resnet(norm=norm), x) == variable_paths(resnet(), x)
   assert mnjax.SyncBatchNorm.__qualname__ == "SyncBatchNorm"  # type repr, pickling, docs
 

@@ -9,8 +9,8 @@ import optax
 import pytest
 
 import mnjax
-from mnjax.models import SmallCNN
-from mnjax.train import create_train_state, eval_batches, eval_step, evaluate, train_step
+from lab.models import SmallCNN
+from lab.runner import create_train_state, eval_batches, eval_step, evaluate, train_step
 
 DIGITS_TRAIN = mnjax.data.load_digits("train")
 DIGITS_TEST = mnjax.data.load_digits("test")

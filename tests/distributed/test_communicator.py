@@ -12,9 +12,9 @@ import pytest
 from mpi4py import MPI
 
 import mnjax
+from lab.models import SmallCNN
+from lab.runner import create_train_state, make_train_step
 from mnjax.comm import _collectives as collectives
-from mnjax.models import SmallCNN
-from mnjax.train._classifier import create_train_state, make_train_step
 
 DIGITS = mnjax.data.load_digits("train")
 PER_DEVICE = 4

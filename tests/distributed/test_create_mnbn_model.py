@@ -18,16 +18,18 @@ import numpy as np
 import optax
 import pytest
 
+import lab.models
+import lab.runner
 import mnjax
+from lab.models._resnet import BasicBlock
 from mnjax.comm._host import allreduce
-from mnjax.models._resnet import BasicBlock
 
 PER_RANK = 3
 
 
 def resnet(norm=nn.BatchNorm):
   """Stem, one identity block, one projection block (parallel branches: ordered collectives)."""
-  return mnjax.models.ResNet(stage_sizes=(1, 1), block=BasicBlock, num_classes=3, stem="cifar",
+  return lab.models.ResNet(stage_sizes=(1, 1), block=BasicBlock, num_classes=3, stem="cifar",
                              norm=norm, zero_init_residual=False)
 
 
@@ -102,7 +104,7 @@ def test_the_converted_model_keeps_its_class_fields_and_variables(comm, name):
   # the same call signature: create_train_state passes train=False to init, train=True to steps
   assert inspect.signature(converted.__call__) == inspect.signature(original.__call__)
   if name == "inline":  # its eager init is quick: the same initial values too
-    state = mnjax.train.create_train_state(converted, optax.sgd(0.1), x, jax.random.key(0))
+    state = lab.runner.create_train_state(converted, optax.sgd(0.1), x, jax.random.key(0))
     assert state.takes_train
     want = original.init(jax.random.key(0), x, train=False)
     jax.tree.map(np.testing.assert_array_equal, {"params": state.params,

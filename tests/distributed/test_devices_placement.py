@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import optax
 
 import mnjax
-from mnjax.bench.hlo_order import mpi_calls, unchained_compiled
-from mnjax.models import SmallCNN
-from mnjax.train._classifier import create_train_state, make_train_step
+from lab.bench.hlo_order import mpi_calls, unchained_compiled
+from lab.models import SmallCNN
+from lab.runner import create_train_state, make_train_step
 
 
 def test_flat_rank_drives_its_node_local_device_and_a_plain_jit_runs_there(comm):

@@ -18,6 +18,7 @@ import optax
 import pytest
 from mpi4py import MPI
 
+import lab.runner
 import mnjax
 from mnjax.checkpoint._checkpointer import CheckpointTemplateError
 
@@ -418,8 +419,8 @@ LOOP_STEPS = 3
 
 def loop_run(comm, workdir, *, epochs, resume=False, double_buffering=True):
   """`train_loop` on the digits CNN, double-buffered through `guarded_optimizer`."""
-  from mnjax.models import SmallCNN
-  from mnjax.train import RunConfig, create_train_state, guarded_optimizer, make_train_step
+  from lab.models import SmallCNN
+  from lab.runner import RunConfig, create_train_state, guarded_optimizer, make_train_step
 
   digits = mnjax.data.load_digits("train")
   config = RunConfig(epochs=epochs, global_batch_size=8 * comm.size, workdir=str(workdir),
@@ -435,7 +436,7 @@ def loop_run(comm, workdir, *, epochs, resume=False, double_buffering=True):
     for idx, _ in order[start:LOOP_STEPS]:
       yield digits.images[idx], digits.labels[idx]
 
-  state, _ = mnjax.train.train_loop(config, comm, state, make_train_step(comm), batches,
+  state, _ = lab.runner.train_loop(config, comm, state, make_train_step(comm), batches,
                                     steps_per_epoch=LOOP_STEPS)
   return state
 

@@ -1,4 +1,4 @@
-"""The shared training loop (`mnjax.train.train_loop`): epochs, exact metrics, checkpoints,
+"""The shared training loop (`lab.runner.train_loop`): epochs, exact metrics, checkpoints,
 resume, a non-finite step skipped on every rank and counted wherever `skip_nonfinite` sits in
 the optax chain, and arguments refused before the first step."""
 
@@ -9,9 +9,10 @@ import numpy as np
 import optax
 import pytest
 
+import lab.runner
 import mnjax
-from mnjax.models import SmallCNN
-from mnjax.train import (
+from lab.models import SmallCNN
+from lab.runner import (
   RunConfig,
   create_train_state,
   eval_batches,
@@ -87,7 +88,7 @@ def test_the_loop_refuses_an_optimizer_without_skip_nonfinite(comm, tmp_path):
 
 
 def test_the_loop_says_when_the_batches_run_out(comm, tmp_path):
-  tx = mnjax.train.guarded_optimizer(optax.adam(1e-3), comm, config(comm, tmp_path))
+  tx = lab.runner.guarded_optimizer(optax.adam(1e-3), comm, config(comm, tmp_path))
   with pytest.raises(ValueError, match=r"batches\(1, 0\) ended after 3 batches; steps_per_epoch"
                                        " is 4"):
     train_loop(config(comm, tmp_path, stall_timeout=0.0), comm, state_for(comm, tx),

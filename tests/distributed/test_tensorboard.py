@@ -1,4 +1,4 @@
-"""TensorBoard scalars (`mnjax.train.TensorBoard`): rank 0's event file holds the scalars
+"""TensorBoard scalars (`lab.runner.TensorBoard`): rank 0's event file holds the scalars
 written, read back with TensorBoard's own reader (its EventAccumulator, no TensorFlow); a
 resumed run's file hides what the earlier one logged past its start; a directory that
 cannot be written stops the run on every rank before its first step; the records carry the
@@ -10,9 +10,9 @@ import optax
 import pytest
 from support.events import read_scalars
 
+from lab.runner import RunConfig, TensorBoard, TrainState, guarded_optimizer, train_loop
+from lab.runner._records import optimizer_values
 from mnjax.optim import dynamic_loss_scale
-from mnjax.train import RunConfig, TensorBoard, TrainState, guarded_optimizer, train_loop
-from mnjax.train._records import optimizer_values
 
 
 def test_the_event_file_holds_the_scalars_written_on_rank_0_only(comm, tmp_path):

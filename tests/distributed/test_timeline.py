@@ -13,18 +13,12 @@ import optax
 import pytest
 
 import mnjax
+from lab.models import SmallCNN
+from lab.runner import RunConfig, create_train_state, guarded_optimizer, make_train_step, train_loop
 from mnjax.comm import _buckets as bucketing
 from mnjax.comm import _collectives as collectives
 from mnjax.comm import _recorder as recorder
 from mnjax.guard import _timeline as timeline_module
-from mnjax.models import SmallCNN
-from mnjax.train import (
-  RunConfig,
-  create_train_state,
-  guarded_optimizer,
-  make_train_step,
-  train_loop,
-)
 
 TREE = {"a": jnp.ones(300), "b": jnp.ones(100), "c": jnp.ones(2000)}
 BUCKET_BYTES = 2048  # "c" travels alone, "a" and "b" in buckets of their own

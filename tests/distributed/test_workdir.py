@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from mnjax.train import MetricsLog, RunConfig, WorkdirLock, save_params, train_loop, write_config
+from lab.runner import MetricsLog, RunConfig, WorkdirLock, save_params, train_loop, write_config
 
 LOCK = "mnjax.lock"
 

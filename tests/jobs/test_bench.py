@@ -1,5 +1,5 @@
 """The benchmark runs end to end and reports every figure (its numbers are not asserted:
-speed goals are judged by running `python -m mnjax.bench step`, not by timed tests)."""
+speed goals are judged by running `python -m lab.bench step`, not by timed tests)."""
 
 import json
 import subprocess
@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 from support.launch import REPO
 
-from mnjax.bench.allreduce import SWEEP
-from mnjax.bench.gpu import SECTIONS
+from lab.bench.allreduce import SWEEP
+from lab.bench.gpu import SECTIONS
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 
 def run_bench(name, args, tmp_path):
-  """Runs `python -m mnjax.bench <name> <args> --out ...`; returns (stdout, JSON results)."""
+  """Runs `python -m lab.bench <name> <args> --out ...`; returns (stdout, JSON results)."""
   out = tmp_path / f"{name}.json"
   result = subprocess.run(
-      [sys.executable, "-m", "mnjax.bench", name, *args, "--out", str(out)],
+      [sys.executable, "-m", "lab.bench", name, *args, "--out", str(out)],
       cwd=REPO, capture_output=True, text=True, timeout=600,
   )
   assert result.returncode == 0, result.stdout + result.stderr
@@ -45,9 +45,9 @@ def test_step_benchmark_smoke(tmp_path):
 
 
 def test_unknown_benchmark_is_a_clear_error():
-  result = subprocess.run([sys.executable, "-m", "mnjax.bench", "nope"], cwd=REPO,
+  result = subprocess.run([sys.executable, "-m", "lab.bench", "nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-  usage = ("usage: python -m mnjax.bench {allreduce, step, kinds, resnet, checks, scaling, gpu,"
+  usage = ("usage: python -m lab.bench {allreduce, step, kinds, resnet, checks, scaling, gpu,"
            " zero, aot, cluster}")
   assert result.returncode != 0 and usage in result.stderr
 
@@ -60,8 +60,8 @@ def test_zero_benchmark_smoke(tmp_path):
   import jax
   import jax.numpy as jnp
 
-  from mnjax.bench.launch import resnet50_shapes
-  from mnjax.models import SmallCNN
+  from lab.bench.launch import resnet50_shapes
+  from lab.models import SmallCNN
 
   stdout, data = run_bench("zero", ["--ranks", "2", "--smoke"], tmp_path)
   (row,) = data["rows"]

@@ -1,5 +1,5 @@
-"""The emulated cluster (``python -m mnjax.cluster run``): bytes on each node's shaped uplink per
-gradient exchange against `mnjax.costmodel.link`, parameters against the same job on shared
+"""The emulated cluster (``python -m lab.cluster run``): bytes on each node's shaped uplink per
+gradient exchange against `lab.costmodel.link`, parameters against the same job on shared
 memory, and the cluster's clean-up after failures. Needs root and network namespaces."""
 
 import json
@@ -12,8 +12,8 @@ import time
 import pytest
 from support.launch import REPO, run_mpi
 
-from mnjax import cluster
-from mnjax.costmodel import link
+from lab import cluster
+from lab.costmodel import link
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
@@ -26,13 +26,13 @@ needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAI
 
 PARAMS = 1_000_000           # 4 MB of float32 gradient per exchange
 GRAD_BYTES = 4 * PARAMS
-WORKER = ["-m", "mnjax.bench.cluster_worker", "--params", str(PARAMS), "--steps", "3"]
+WORKER = ["-m", "lab.bench.cluster_worker", "--params", str(PARAMS), "--steps", "3"]
 
 
 def _cluster_run(tmp_path, name, *, kind, wire="fp32", ranks_per_node=1, devices=None,
                  nodes=2, rate="10gbit", extra=()):
   out, counts = tmp_path / f"{name}.json", tmp_path / f"{name}.bytes.json"
-  cmd = [sys.executable, "-m", "mnjax.cluster", "run", "--nodes", str(nodes), "--rate", rate,
+  cmd = [sys.executable, "-m", "lab.cluster", "run", "--nodes", str(nodes), "--rate", rate,
          "--ranks-per-node", str(ranks_per_node), "--bytes-json", str(counts), "--timeout",
          "100"]
   if devices:
@@ -147,7 +147,7 @@ def test_parameters_equal_the_shared_memory_run(runs, tmp_path):
 
 
 def _cli(*args, timeout=60):
-  return subprocess.run([sys.executable, "-m", "mnjax.cluster", *args], cwd=REPO,
+  return subprocess.run([sys.executable, "-m", "lab.cluster", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -174,7 +174,7 @@ def test_a_failing_rank_returns_its_code_and_leaves_nothing():
 @needs_namespaces
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_run_leaves_nothing(sig):
-  proc = subprocess.Popen([sys.executable, "-m", "mnjax.cluster", "run", "--nodes", "2",
+  proc = subprocess.Popen([sys.executable, "-m", "lab.cluster", "run", "--nodes", "2",
                            "--rate", "1gbit", "--", "sleep", "60"], cwd=REPO,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   tag = f"p{proc.pid}-"

@@ -64,7 +64,7 @@ def test_auto_picks_flat_without_gpus():
   from mnjax.comm._communicator import resolve_kind
 
   if devices.gpu_inventory():
-    pytest.skip("this machine has GPUs (the xla case is python -m mnjax.bench gpu's)")
+    pytest.skip("this machine has GPUs (the xla case is python -m lab.bench gpu's)")
   assert resolve_kind("auto") == "flat"
 
 

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import optax
 
+from lab.models import SmallCNN
+from lab.runner import create_train_state, make_train_step
 from mnjax.comm import _collectives as collectives
-from mnjax.models import SmallCNN
-from mnjax.train._classifier import create_train_state, make_train_step
 
 PER_DEVICE = 4
 data = mnjax.data.load_digits("train")

@@ -1,9 +1,9 @@
-"""`mnjax.bench.aot_memory.largest_batch`: the search for the largest batch that fits, on a
+"""`lab.bench.aot_memory.largest_batch`: the search for the largest batch that fits, on a
 fake compiler (a peak linear in the batch, or not monotonic), wherever the fit's guess lands."""
 
 import pytest
 
-from mnjax.bench.aot_memory import largest_batch
+from lab.bench.aot_memory import largest_batch
 
 MEMORY = 100e9
 

@@ -1,5 +1,5 @@
-"""`mnjax.aot` without the CUDA plugin (the default, CPU-only install): targets parse or fail
-naming the known ones, and ``python -m mnjax.bench aot`` says in one line how to install
+"""`lab.aot` without the CUDA plugin (the default, CPU-only install): targets parse or fail
+naming the known ones, and ``python -m lab.bench aot`` says in one line how to install
 what it needs. The compiles themselves are tests/aot (the plugin's venv)."""
 
 import re
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mnjax import aot
+from lab import aot
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_unknown_gpu_or_topology_is_a_clear_error(spec, message):
 
 @pytest.mark.skipif(aot.plugin_installed(), reason="this venv has the CUDA plugin")
 def test_bench_without_the_plugin_says_how_to_install_it_in_one_line():
-  out = subprocess.run([sys.executable, "-m", "mnjax.bench", "aot", "--quick"], cwd=REPO,
+  out = subprocess.run([sys.executable, "-m", "lab.bench", "aot", "--quick"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 1
   lines = out.stderr.strip().splitlines()

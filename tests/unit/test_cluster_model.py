@@ -1,10 +1,10 @@
-"""mnjax.cluster without namespaces (argument checks, the mpirun line, the job's environment) and
-mnjax.costmodel.link (uplink bytes, the alpha/beta fit)."""
+"""lab.cluster without namespaces (argument checks, the mpirun line, the job's environment) and
+lab.costmodel.link (uplink bytes, the alpha/beta fit)."""
 
 import pytest
 
-from mnjax import cluster
-from mnjax.costmodel import link
+from lab import cluster
+from lab.costmodel import link
 
 
 @pytest.mark.parametrize("rate,bits", [("1gbit", 1e9), ("10GBIT", 1e10), ("500mbit", 5e8),

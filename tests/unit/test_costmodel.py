@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from mnjax import costmodel as cm
-from mnjax.costmodel import allreduce as ar
-from mnjax.costmodel import calibrate, published, step
-from mnjax.costmodel import hardware as hw
+from lab import costmodel as cm
+from lab.costmodel import allreduce as ar
+from lab.costmodel import calibrate, published, step
+from lab.costmodel import hardware as hw
 
 REPO = Path(__file__).resolve().parents[2]
 N_R50 = step.RESNET50.params * 4

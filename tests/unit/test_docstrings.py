@@ -1,8 +1,8 @@
-"""Every docstring example in mnjax runs (size-1 communicator), unless marked to skip.
+"""Every docstring example in mnjax and in the lab runs (size-1 communicator), unless marked to skip.
 
 An example that needs what a test cannot have here (a GPU, a dataset on disk, several ranks,
 a launcher, a long run) carries ``# doctest: +SKIP``; everything else runs, with the usual
-names in scope: ``mnjax, jax, jnp, np, optax, nn`` and a size-1 ``comm``.
+names in scope: ``mnjax, lab, jax, jnp, np, optax, nn`` and a size-1 ``comm``.
 
 Each example runs in a fresh temporary working directory, so that relative paths such as
 ``runs/digits`` land there (or it writes under ``tempfile.mkdtemp()``). It must leave the
@@ -30,19 +30,21 @@ import numpy as np
 import optax
 import pytest
 
+import lab
 import mnjax
 
 # Entry points that start processes or re-launch themselves; their examples are commands.
-EXCLUDED = ("mnjax.bench.__main__", "mnjax.comm._native.__main__")
+EXCLUDED = ("lab.bench.__main__", "mnjax.comm._native.__main__")
 #: The compiled handlers (one library per MPI vendor: `_mpi_collectives`, `-openmpi`, ...).
 COMPILED = "mnjax.comm._native._mpi_collectives"
 
 
 def _modules() -> list[str]:
-  names = ["mnjax"]
-  for info in pkgutil.walk_packages(mnjax.__path__, "mnjax."):
-    if info.name not in EXCLUDED and not info.name.startswith(COMPILED):
-      names.append(info.name)
+  names = ["mnjax", "lab"]
+  for package in (mnjax, lab):
+    for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+      if info.name not in EXCLUDED and not info.name.startswith(COMPILED):
+        names.append(info.name)
   return names
 
 
@@ -77,7 +79,7 @@ def test_docstring_example(test, comm, tmp_path):
   if not _runs(test):
     pytest.skip("every line is marked # doctest: +SKIP")
   globs = dict(test.globs)
-  globs.update(mnjax=mnjax, jax=jax, jnp=jnp, np=np, optax=optax, nn=nn, comm=comm)
+  globs.update(mnjax=mnjax, lab=lab, jax=jax, jnp=jnp, np=np, optax=optax, nn=nn, comm=comm)
   test = doctest.DocTest(test.examples, globs, test.name, test.filename, test.lineno,
                          test.docstring)
   flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

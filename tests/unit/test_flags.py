@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from support.launch import REPO
 
-from mnjax.train import RunConfig, check_fields, flag, load_config, parse_flags
+from lab.runner import RunConfig, check_fields, flag, load_config, parse_flags
 
 sys.path.insert(0, str(REPO / "experiments"))
 import imagenet  # the ResNet experiment

@@ -11,8 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from mnjax.models import ResNet18, ResNet50, SmallCNN
-from mnjax.train import create_train_state, eval_step, train_step
+from lab.models import ResNet18, ResNet50, SmallCNN
+from lab.runner import create_train_state, eval_step, train_step
 
 
 def param_count(model, size):

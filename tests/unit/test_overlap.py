@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import mnjax
-from mnjax.bench.hlo_order import (
+from lab.bench.hlo_order import (
   _computations,
   _functions,
   _statements,
@@ -187,8 +187,8 @@ def test_with_sync_batch_norm_the_exchange_waits_for_its_collectives():
 
 
 def test_the_cost_model_uses_the_implementations_bucket_plan():
+  from lab.costmodel import hardware, step
   from mnjax.comm._buckets import plan_buckets
-  from mnjax.costmodel import hardware, step
 
   leaves = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(64, 64), (64,), (4096,), (10,)]]
   sizes = step.planned_buckets(leaves, 8192)

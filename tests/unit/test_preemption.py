@@ -1,4 +1,4 @@
-"""mnjax/train/_preemption.py in one process: which signals, requeue detection, a signal
+"""lab/runner/_preemption.py in one process: which signals, requeue detection, a signal
 turned into a request (size 1: no exchange)."""
 
 import os
@@ -7,15 +7,16 @@ import signal
 import pytest
 from mpi4py import MPI
 
+import lab.runner
 import mnjax
-from mnjax.train import PreemptionSignals, parse_signals, requeued
+from lab.runner import PreemptionSignals, parse_signals, requeued
 
 
 def test_signal_names_are_checked_when_the_config_is_built():
   assert parse_signals("TERM, usr1,SIGUSR2") == (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
   assert parse_signals("") == ()
   with pytest.raises(ValueError, match="'KILL' is not a signal a process can catch"):
-    mnjax.train.RunConfig(epochs=1, global_batch_size=8, workdir="w", checkpoint_on_signal="KILL")
+    lab.runner.RunConfig(epochs=1, global_batch_size=8, workdir="w", checkpoint_on_signal="KILL")
 
 
 def test_a_requeued_slurm_job_is_recognised(monkeypatch):

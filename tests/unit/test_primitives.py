@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mnjax
-from mnjax.bench.hlo_order import dependencies, depends_on, mpi_calls, unchained, unchained_compiled
+from lab.bench.hlo_order import dependencies, depends_on, mpi_calls, unchained, unchained_compiled
 from mnjax.comm import _buckets as bucketing
 from mnjax.comm import _collectives as collectives
 from mnjax.comm import _primitives as mpi_ops

@@ -1,11 +1,11 @@
-"""`mnjax.train.StepProfiler` and `profile_window`: which steps ``--profile_steps`` traces
+"""`lab.runner.StepProfiler` and `profile_window`: which steps ``--profile_steps`` traces
 (a count from the run's second step, a global ``A:B`` range), one trace per window."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from mnjax.train import StepProfiler, profile_window
+from lab.runner import StepProfiler, profile_window
 
 
 @pytest.mark.parametrize("spec, first_step, window", [

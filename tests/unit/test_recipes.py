@@ -13,7 +13,7 @@ import optax
 import pytest
 from support.launch import REPO
 
-from mnjax.models import ResNet18
+from lab.models import ResNet18
 from mnjax.optim import recipes
 
 sys.path.insert(0, str(REPO / "experiments"))

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
+import lab.models
 import mnjax
 from mnjax.guard import _preflight as preflight
 from mnjax.train._replicated import varying_outputs
@@ -263,7 +264,7 @@ def test_plain_batch_norm_statistics_are_varying(hierarchical):
 
 
 def test_a_resnet18_step_is_analysed_in_a_fraction_of_its_trace(hierarchical):
-  model = mnjax.models.ResNet18(num_classes=10, stem="cifar",
+  model = lab.models.ResNet18(num_classes=10, stem="cifar",
                                 norm=functools.partial(mnjax.SyncBatchNorm, hierarchical))
   tx = optax.chain(mnjax.allreduce_gradients(hierarchical), optax.sgd(0.1, momentum=0.9))
   images, labels = jnp.ones((4, 16, 16, 3)), jnp.zeros(4, jnp.int32)

@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import mnjax
-from mnjax.bench.hlo_order import dependencies, depends_on, mpi_calls
+from lab.bench.hlo_order import dependencies, depends_on, mpi_calls
 from mnjax.comm import _sequence as sequence
 
 WIDTHS = (3, 5, 7)  # parallel branches after a stem of 4 features

@@ -1,13 +1,13 @@
 """The timeline's offline pieces: the straggler report on known arrivals, the trace events,
-and `python -m mnjax.timeline view` drawing a PNG (or saying why not)."""
+and `python -m lab.timeline view` drawing a PNG (or saying why not)."""
 
 import json
 
 import pytest
 
+from lab.timeline import __main__ as cli
 from mnjax.guard import _straggler as straggler
 from mnjax.guard._trace import trace_events
-from mnjax.timeline import __main__ as cli
 
 MS = 1_000_000
 

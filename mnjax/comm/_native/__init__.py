@@ -1,6 +1,6 @@
 """mnjax's compiled piece: MPI collectives as XLA FFI handlers for CPU (`mpi_collectives.cc`).
 
-Why it exists (measured in ``python -m mnjax.bench allreduce``):
+Why it exists (measured in ``python -m lab.bench allreduce``):
 
 * mpi4jax's allreduce handler works out of place, into a result buffer XLA allocates fresh
   on every call: every call pays first-touch page faults on the whole result and an MPI copy
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["LIBRARY", "SOURCE", "TARGETS", "allreduce_calls", "build", "collective_counts",
-           "handlers", "is_stale"]
+           "handlers", "is_stale", "register"]
 
 
 
@@ -152,3 +152,12 @@ def handlers() -> dict:
 
   lib = _library()
   return {name: ffi.pycapsule(getattr(lib, name)) for name in TARGETS}
+
+
+@functools.cache
+def register() -> None:
+  """Registers every handler with XLA:CPU once per process (before a lowering names one)."""
+  from jax import ffi  # noqa: PLC0415 (the counters and is_stale work without importing jax)
+
+  for name, capsule in handlers().items():
+    ffi.register_ffi_target(name, capsule, platform="cpu")

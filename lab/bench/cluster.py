@@ -1,0 +1,188 @@
+"""Gradient exchange over shaped links between emulated nodes (`lab.cluster`), side by side.
+
+    python -m lab.bench cluster                         # none, 1gbit, 10gbit x 2, 4 nodes
+    python -m lab.bench cluster --rates 1gbit --nodes 2 --quick
+    python -m lab.bench cluster --parts step            # train steps at 1gbit x 2, 4 nodes
+
+Two parts (``--parts exchange,step``, both by default); the step part (train steps of the
+digits CNN and a ResNet-10 per kind, double buffering and backprop-order buckets against
+plain `allreduce_gradients`, at ``--step-rates``) is `lab.bench.cluster_step`'s. The
+exchange part:
+
+Needs root. Per rate (``none``: the unshaped ceiling of this box's veth/TCP) and node count,
+four jobs, each `lab.bench.cluster_worker` under ``python -m lab.cluster run``:
+
+* ``flat``, 1 rank per node (the link alone): float32 exchanges of 1, 4, 8 and 16 MB (the fit)
+  and of ResNet-50's 102 MB gradient, fp32 and bf16 wire;
+* ``flat``, 2 ranks per node; ``hierarchical`` (fp32, bf16) and ``two_dimensional``, 1
+  process x 2 emulated devices per node: the 102 MB exchange.
+
+The step exchanges a flat float32 vector and applies SGD; its cost without the exchange is
+timed in the same job and subtracted: the exchange time. Alpha and bandwidth are fitted
+(`lab.costmodel.link.fit`) on the 1-16 MB points only, then every 102 MB figure is
+predicted from the uplink bytes the model gives (`uplink_bytes`), before it is compared.
+Prints one table per rate and node count and writes ``runs/bench/cluster.json`` (both
+parts: ``points``, ``step_points``; rewritten after every step point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from lab.bench.cluster_job import cluster_job
+from lab.costmodel import link
+
+RESNET50 = 25_557_032          # float32 parameters: 102 MB
+FIT = (250_000, 1_000_000, 2_000_000, 4_000_000)   # 1, 4, 8 and 16 MB
+
+
+def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, folder):
+  out = Path(folder) / f"{kind}-{ranks_per_node}-{rate}-{nodes}.json"
+  cluster_job(["lab.bench.cluster_worker", "--kind", kind, "--params",
+               ",".join(map(str, sizes)), "--wire", ",".join(wires), "--baseline", "--steps",
+               str(steps), "--out", str(out)],
+              nodes=nodes, rate=rate, ranks_per_node=ranks_per_node, devices=devices)
+  runs = json.loads(out.read_text())["runs"]
+  base = {r["params"]: r["seconds_per_step"] for r in runs if r["wire"] == "none"}
+  return [{"kind": kind, "ranks_per_node": ranks_per_node, "params": r["params"],
+           "wire": r["wire"], "exchange_s": max(r["seconds_per_step"] - base[r["params"]], 0),
+           "step_s": r["seconds_per_step"],
+           "tx_bytes": r["nodes"][0]["tx_bytes"] if r["nodes"] else None}
+          for r in runs if r["wire"] != "none"]
+
+
+def fit_link(rows, *, nodes, rate, sizes=FIT, relative=False) -> link.LinkFit | None:
+  """alpha and bandwidth from the ``flat`` one-rank-per-node fp32 rows (`_job`) of `sizes`
+  (`link.fit`); None (and says why) where the link is not the bottleneck."""
+  fits = [r for r in rows if r["kind"] == "flat" and r["ranks_per_node"] == 1
+          and r["wire"] == "fp32" and r["params"] in sizes]
+  try:
+    return link.fit([link.uplink_bytes("flat", 4 * r["params"], nodes=nodes)
+                     for r in fits], [r["exchange_s"] for r in fits], relative=relative)
+  except ValueError as e:   # the unshaped link: the cores, not the link, may set the time
+    print(f"no link fit at {rate}, {nodes} nodes: {e}")
+    return None
+
+
+def fit_job(*, nodes, rate, steps, folder, sizes=FIT, relative=False) -> link.LinkFit | None:
+  """The link's fit from a job of the exchanges of `sizes` float32 parameters alone."""
+  return fit_link(_job("flat", sizes, ["fp32"], nodes=nodes, rate=rate, ranks_per_node=1,
+                       devices=None, steps=steps, folder=folder),
+                  nodes=nodes, rate=rate, sizes=sizes, relative=relative)
+
+
+def _point(nodes, rate, steps, folder, big):
+  rows = _job("flat", [*FIT, big], ["fp32", "bf16"], nodes=nodes, rate=rate,
+              ranks_per_node=1, devices=None, steps=steps, folder=folder)
+  rows += _job("flat", [big], ["fp32"], nodes=nodes, rate=rate, ranks_per_node=2,
+               devices=None, steps=steps, folder=folder)
+  rows += _job("hierarchical", [big], ["fp32", "bf16"], nodes=nodes, rate=rate,
+               ranks_per_node=1, devices=2, steps=steps, folder=folder)
+  rows += _job("two_dimensional", [big], ["fp32"], nodes=nodes, rate=rate, ranks_per_node=1,
+               devices=2, steps=steps, folder=folder)
+  f = fit_link(rows, nodes=nodes, rate=rate)
+  for r in rows:
+    bits = 16 if r["wire"] == "bf16" else 32
+    r["predicted_bytes"] = link.uplink_bytes(r["kind"], 4 * r["params"], nodes=nodes,
+                                             ranks_per_node=r["ranks_per_node"], wire_bits=bits)
+    r["predicted_s"] = f and f.exchange_time(r["kind"], 4 * r["params"], nodes=nodes,
+                                             ranks_per_node=r["ranks_per_node"], wire_bits=bits)
+  return {"rate": rate, "nodes": nodes, "alpha_s": f and f.alpha,
+          "bandwidth_Bps": f and f.bandwidth, "rows": rows}
+
+
+def _ratio(rows, a, b):
+  def big(key):
+    return next(r["exchange_s"] for r in rows
+                if (r["kind"], r["ranks_per_node"], r["wire"]) == key and r["params"] > 4e6)
+  ta, tb = big(a), big(b)
+  return ta / tb if tb > 0 else float("nan")
+
+
+def _print(point):
+  fit = ("no fit" if point["alpha_s"] is None else
+         f"fit alpha {point['alpha_s'] * 1e3:.1f} ms, bandwidth "
+         f"{point['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s (1-16 MB, flat, 1 rank per node)")
+  print(f"\n== {point['rate']}, {point['nodes']} nodes: {fit}")
+  print(f"{'kind':16} {'rpn':>3} {'wire':4} {'MB':>6} {'MB/node meas':>12} {'model':>7} "
+        f"{'exchange ms':>11} {'model':>7} {'meas/model':>10}")
+  for r in point["rows"]:
+    mb = "-" if r["tx_bytes"] is None else f"{r['tx_bytes'] / 1e6:.1f}"
+    pred = r["predicted_s"]
+    model = ("-", "-") if pred is None else (f"{pred * 1e3:.0f}", f"{r['exchange_s'] / pred:.2f}")
+    print(f"{r['kind']:16} {r['ranks_per_node']:3} {r['wire']:4} {4 * r['params'] / 1e6:6.0f} "
+          f"{mb:>12} {r['predicted_bytes'] / 1e6:7.1f} {r['exchange_s'] * 1e3:11.0f} "
+          f"{model[0]:>7} {model[1]:>10}")
+  rows = point["rows"]
+  point["ratios"] = {
+      "hierarchical/flat(2 per node)": _ratio(rows, ("hierarchical", 1, "fp32"),
+                                              ("flat", 2, "fp32")),
+      "two_dimensional/flat(2 per node)": _ratio(rows, ("two_dimensional", 1, "fp32"),
+                                                 ("flat", 2, "fp32")),
+      "bf16/fp32 (flat, 1 per node)": _ratio(rows, ("flat", 1, "bf16"), ("flat", 1, "fp32")),
+      "bf16/fp32 (hierarchical)": _ratio(rows, ("hierarchical", 1, "bf16"),
+                                         ("hierarchical", 1, "fp32")),
+  }
+  print("  102 MB exchange: " + ", ".join(f"{k} {v:.2f}x" for k, v in point["ratios"].items()))
+
+
+def main(argv: list[str]) -> None:
+  p = argparse.ArgumentParser(prog="python -m lab.bench cluster",
+                              description=__doc__.split("\n")[0])
+  p.add_argument("--rates", default="none,1gbit,10gbit", help="tc rates per uplink, or none")
+  p.add_argument("--nodes", default="2,4", help="node counts")
+  p.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
+  p.add_argument("--quick", action="store_true", help="a 16 MB 'large' exchange instead of 102 MB")
+  p.add_argument("--parts", default="exchange,step",
+                 help="exchange (the flat-vector exchanges), step (train steps), or both")
+  p.add_argument("--step-rates", default="1gbit",
+                 help="rates of the step part (10gbit is core-bound on 2 cores)")
+  p.add_argument("--models", default="cnn,resnet", help="the step part's models: cnn, resnet")
+  p.add_argument("--rounds", type=int, default=3, help="the step part's timed rounds")
+  p.add_argument("--out", default="runs/bench/cluster.json")
+  args = p.parse_args(argv)
+  parts = set(args.parts.split(","))
+  if not parts or not parts <= {"exchange", "step"}:
+    raise SystemExit(f"--parts: exchange and/or step, got {args.parts!r}")
+  from lab.cluster import ClusterError, check_available
+  try:
+    check_available()
+  except ClusterError as e:
+    raise SystemExit(f"python -m lab.bench cluster: {e}") from None
+  from lab.bench import cluster_step
+  big = 4_000_001 if args.quick else RESNET50
+  node_counts = [int(n) for n in args.nodes.split(",")]
+  points, step_points, load = [], [], [os.getloadavg()[0]]
+  with tempfile.TemporaryDirectory(prefix="mnjax-bench-cluster-") as folder:
+    if "exchange" in parts:
+      for rate in args.rates.split(","):
+        for nodes in node_counts:
+          points.append(_point(nodes, rate, args.steps, folder, big))
+          _print(points[-1])
+    if "step" in parts:
+      for rate in args.step_rates.split(","):
+        for nodes in node_counts:
+          fit = fit_job(nodes=nodes, rate=rate, steps=args.steps, folder=folder,
+                        sizes=cluster_step.FIT, relative=True)
+          step_points.append(cluster_step.step_point(nodes, rate, fit, args, folder))
+          cluster_step.print_point(step_points[-1])
+          _write(args.out, points, step_points, argv, load)   # each point as it comes
+  load.append(os.getloadavg()[0])
+  _write(args.out, points, step_points, argv, load)
+  print(f"\nload average (1 min) {load[0]:.1f} -> {load[1]:.1f}; wrote {args.out}")
+
+
+def _write(out, points, step_points, argv, load):
+  Path(out).parent.mkdir(parents=True, exist_ok=True)
+  Path(out).write_text(json.dumps(
+      {"points": points, "step_points": step_points, "command": ["python", "-m", "lab.bench",
+       "cluster", *argv], "load_average_1min": [round(x, 2) for x in load]}, indent=1))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

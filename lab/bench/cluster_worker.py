@@ -1,0 +1,125 @@
+"""One job of ``python -m lab.bench cluster`` and of tests/jobs/test_cluster.py: a step that
+only exchanges gradients (`allreduce_gradients` + SGD on a flat float32 vector), timed, with
+each node's uplink bytes read around the timed steps.
+
+``python -m lab.bench.cluster_worker --kind flat --params 1000000,4000000 --wire fp32,bf16
+--steps 5 --out r.json`` under ``mpirun`` or ``python -m lab.cluster run``. Rank 0 writes
+``{"runs": [{"params", "wire", "seconds_per_step", "nodes": [{"node", "tx_bytes",
+"rx_bytes"} per step], "params_sha256", "ranks_agree"}, ...], **runs[0]}``; outside a
+namespace (no ``eth0``) ``nodes`` is null. ``--shard``: after those runs, the same with
+`mnjax.shard_optimizer` (ZeRO-1's reduce-scatter + allgather; ``"optimizer": "shard"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _counters() -> tuple[int, int] | None:
+  base = Path("/sys/class/net/eth0/statistics")
+  if not base.exists():
+    return None
+  return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+
+
+def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False) -> dict:
+  """Per-step seconds and uplink bytes of `steps` steps (wire None: no exchange at all;
+  `shard`: `mnjax.shard_optimizer`'s reduce-scatter + allgather instead of an allreduce)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from mpi4py import MPI
+
+  import mnjax
+  world = MPI.COMM_WORLD
+  dtype = jnp.bfloat16 if wire == "bf16" else None
+  links = [] if wire is None else [mnjax.allreduce_gradients(comm, wire_dtype=dtype)]
+  tx = optax.chain(*links, optax.sgd(0.1))
+  if shard and wire is not None:
+    tx = mnjax.shard_optimizer(comm, optax.sgd(0.1), wire_dtype=dtype)
+
+  def step(params, opt_state, x):
+    # The baseline leaves the batch out: without the exchange, replicas would differ.
+    target = 1.0 if wire is None else jnp.mean(x)
+    grads = jax.grad(lambda q: jnp.sum((q["w"] - target) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  run = mnjax.data_parallel(step, comm, batch_argnums=(2,))
+  params = {"w": jnp.zeros((n,), jnp.float32)}
+  opt_state = tx.init(params)
+  rows = 2 * comm.local_device_count
+
+  def batch(i):
+    first = comm.rank * rows
+    return (jnp.arange(first, first + rows, dtype=jnp.float32) + i)[:, None]
+
+  params, opt_state = run(params, opt_state, batch(0))   # compile, first exchange
+  jax.block_until_ready(params)
+  world.Barrier()
+  before = _counters()
+  start = time.perf_counter()
+  for i in range(1, steps + 1):
+    params, opt_state = run(params, opt_state, batch(i))
+    jax.block_until_ready(params)
+  seconds = time.perf_counter() - start
+  world.Barrier()
+  after = _counters()
+  mine = None
+  if before is not None and comm.intra_rank == 0:
+    mine = {"node": comm.inter_rank, "tx_bytes": (after[0] - before[0]) / steps,
+            "rx_bytes": (after[1] - before[1]) / steps}
+  nodes = world.gather(mine, root=0)
+  times = world.gather(seconds / steps, root=0)
+  w = np.asarray(params["w"])
+  digests = world.allgather(hashlib.sha256(w.tobytes()).hexdigest())
+  return {"params": n, "wire": wire or "none", "optimizer": "shard" if shard else "allreduce",
+          "seconds_per_step": max(times or [0]),
+          "nodes": sorted((x for x in nodes or [] if x), key=lambda x: x["node"]) or None,
+          "params_sha256": digests[0], "ranks_agree": len(set(digests)) == 1,
+          "params_head": w[:4].tolist()}
+
+
+def main(argv: list[str] | None = None) -> None:
+  p = argparse.ArgumentParser(prog="python -m lab.bench.cluster_worker")
+  p.add_argument("--kind", default="flat")
+  p.add_argument("--wire", default="fp32", help="comma-separated: fp32, bf16")
+  p.add_argument("--params", default="1000000", help="comma-separated vector lengths")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--baseline", action="store_true",
+                 help="also time each size with no exchange (the step's own cost)")
+  p.add_argument("--shard", action="store_true",
+                 help="also each size and wire with shard_optimizer(sgd) (the flat kind)")
+  p.add_argument("--out", required=True)
+  args = p.parse_args(argv)
+
+  import mnjax
+  comm = mnjax.create_communicator(args.kind)
+  from mpi4py import MPI
+
+  wires = args.wire.split(",")
+  if not set(wires) <= {"fp32", "bf16"}:
+    raise SystemExit(f"--wire: fp32 and/or bf16, got {args.wire!r}")
+  runs = []
+  for n in (int(x) for x in args.params.split(",")):
+    for wire in [*wires, *([None] if args.baseline else [])]:
+      runs.append(_measure(comm, n, wire, args.steps))
+  if args.shard:
+    runs += [_measure(comm, n, wire, args.steps, shard=True)
+             for n in (int(x) for x in args.params.split(",")) for wire in wires]
+  if MPI.COMM_WORLD.rank == 0:
+    out = {"kind": args.kind, "ranks": MPI.COMM_WORLD.size,
+           "devices_per_rank": comm.local_device_count, "steps": args.steps, **runs[0],
+           "runs": runs}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"cluster_worker: {json.dumps(out)[:2000]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

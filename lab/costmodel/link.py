@@ -1,0 +1,113 @@
+"""The cost model on an emulated link (``lab.cluster``): the bytes each node's uplink carries
+per gradient exchange, and alpha and beta fitted once from the link.
+
+Bytes per node and direction, `n` gradient bytes in float32, `N` nodes, `g` MPI ranks per
+node (block placement), a 16-bit wire moving `n/2`:
+
+* ``flat`` (MPICH's recursive halving/doubling, or its node-aware composition: the same
+  bytes), ``hierarchical`` (one rank per node crosses) and ``two_dimensional`` (`g` shards of
+  ``n/g``): ``2 n (1 - 1/N)`` each. Recursive halving with ranks placed in blocks crosses the
+  network only in its last ``log2 N`` steps, with messages already cut by `g`: in bytes it is
+  node-aware already, so ``hierarchical`` wins on latency and flows, not on bytes.
+* a 16-bit wire with one rank per node: an alltoall then an allgather of ``n/2``, each
+  ``(N-1)/N n/2``: half of float32's.
+* ``xla`` on CPUs (gloo): one ring over all ``P = N g`` participants, `g` devices per node
+  (processes x devices; gloo counts each device): a reduce-scatter and an allgather around
+  the ring, ``2 n (P-1)/P`` per participant; placed in blocks, one ring edge per node
+  crosses its uplink: ``2 n (1 - 1/(N g))``, 1.5 n at 2 x 2 where the MPI kinds send n.
+* ``shard_optimizer`` (ZeRO-1, float32, ``flat``): a reduce-scatter of the gradients and
+  an allgather of the updated parameters. MPICH's large-message algorithms are not
+  node-aware: the reduce-scatter is a pairwise exchange (each rank sends ``n/P`` to every
+  other, ``g n (N-1)/N`` per node) and the allgather a ring (one edge per node carries
+  ``n (P-1)/P``). With one rank per node that is an allreduce's ``2 n (1 - 1/N)``; at 2 x 2
+  it is 1.75 n where the allreduce sends n.
+
+    >>> from lab.costmodel import link
+    >>> link.uplink_bytes("flat", 4e6, nodes=2)
+    4000000.0
+    >>> link.uplink_bytes("hierarchical", 4e6, nodes=2, wire_bits=16)
+    2000000.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+_KINDS = ("flat", "hierarchical", "two_dimensional", "xla", "shard_optimizer")
+
+
+def uplink_bytes(kind: str, nbytes: float, *, nodes: int, ranks_per_node: int = 1,
+                 wire_bits: int = 32) -> float:
+  """Payload bytes one node's uplink sends (and receives) per allreduce of `nbytes` (float32).
+
+  For ``xla``, `ranks_per_node` counts gloo's participants on a node: processes x devices.
+  """
+  if kind not in _KINDS:
+    raise ValueError(f"uplink_bytes knows {', '.join(_KINDS)}; got {kind!r}")
+  if wire_bits not in (16, 32):
+    raise ValueError(f"wire_bits must be 16 or 32, got {wire_bits}")
+  if nodes < 1 or ranks_per_node < 1:
+    raise ValueError(f"nodes and ranks_per_node must be >= 1, got {nodes}, {ranks_per_node}")
+  if kind == "xla":   # gloo's ring over every device; ranks_per_node: devices per node
+    if wire_bits != 32:
+      raise ValueError("the xla kind's bytes are modelled for a float32 wire")
+    return 2 * nbytes * (1 - 1 / (nodes * ranks_per_node))
+  if kind == "shard_optimizer":   # pairwise reduce-scatter + ring allgather (MPICH)
+    if wire_bits != 32:
+      raise ValueError("shard_optimizer's bytes are modelled for a float32 wire")
+    ranks = nodes * ranks_per_node
+    return nbytes * (ranks_per_node * (1 - 1 / nodes) + (1 - 1 / ranks))
+  if wire_bits == 32:
+    return 2 * nbytes * (1 - 1 / nodes)
+  if kind == "flat" and ranks_per_node > 1:
+    raise ValueError("the 16-bit wire's bytes are modelled for one MPI rank per node "
+                     "(hierarchical, two_dimensional, or flat with one rank per node)")
+  return nbytes * (1 - 1 / nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkFit:
+  """``t = alpha + bytes_per_node / bandwidth`` for one exchange over the emulated uplinks."""
+
+  alpha: float
+  bandwidth: float
+
+  def exchange_time(self, kind: str, nbytes: float, *, nodes: int, ranks_per_node: int = 1,
+                    wire_bits: int = 32) -> float:
+    """Predicted seconds of one gradient exchange.
+
+    >>> LinkFit(1e-3, 1e8).exchange_time("flat", 1e8, nodes=2)
+    1.001
+    """
+    if nodes == 1:
+      return self.alpha
+    sent = uplink_bytes(kind, nbytes, nodes=nodes, ranks_per_node=ranks_per_node,
+                        wire_bits=wire_bits)
+    return self.alpha + sent / self.bandwidth
+
+
+def fit(bytes_per_node, seconds, *, relative: bool = False) -> LinkFit:
+  """Least-squares alpha and bandwidth from (uplink bytes per exchange, seconds) points.
+
+  `relative`: minimise relative, not absolute, errors (each point weighted by 1/seconds), so
+  that points of 64 kB count as much as those of 16 MB: alpha is then set by the small
+  messages, as a step's small buckets need it.
+
+  >>> f = fit([1e6, 1e7, 1e8], [0.011, 0.02, 0.11])
+  >>> round(f.alpha, 3), round(f.bandwidth / 1e9, 2)
+  (0.01, 1.0)
+  >>> b, t = [1e5, 1e6, 1e7, 1e8], [0.002, 0.011, 0.10, 1.2]   # 1 ms + 100 MB/s, 100 MB slow
+  >>> [round(fit(b, t, relative=r).alpha * 1e3, 2) for r in (False, True)]   # ms
+  [0.0, 0.93]
+  """
+  b = np.asarray(bytes_per_node, float)
+  t = np.asarray(seconds, float)
+  if b.shape != t.shape or b.size < 2 or np.any(t <= 0):
+    raise ValueError(f"need two or more (bytes, seconds > 0) points; got {b.size}, {t.size}")
+  slope, alpha = np.polyfit(b, t, 1, w=1 / t if relative else None)
+  if slope <= 0:
+    raise ValueError("the exchange time does not grow with the bytes: the link is not the "
+                     "bottleneck (fewer ranks, a lower rate, or larger messages)")
+  return LinkFit(max(float(alpha), 0.0), 1 / float(slope))

@@ -1,0 +1,6 @@
+"""Flax models used by mnjax's experiments, tests and benchmarks."""
+
+from lab.models._cnn import SmallCNN
+from lab.models._resnet import ResNet, ResNet18, ResNet34, ResNet50, ResNet101, ResNet152
+
+__all__ = ["ResNet", "ResNet18", "ResNet34", "ResNet50", "ResNet101", "ResNet152", "SmallCNN"]

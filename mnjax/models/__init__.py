@@ -1,6 +1,0 @@
-"""Flax models used by mnjax's experiments, tests and benchmarks."""
-
-from mnjax.models._cnn import SmallCNN
-from mnjax.models._resnet import ResNet, ResNet18, ResNet34, ResNet50, ResNet101, ResNet152
-
-__all__ = ["ResNet", "ResNet18", "ResNet34", "ResNet50", "ResNet101", "ResNet152", "SmallCNN"]
