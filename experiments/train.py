@@ -99,7 +99,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
 
 def main(argv: list[str] | None = None) -> None:
   config = parse_args(argv)
-  comm = mnjax.create_communicator(config.comm)  # kinds: mnjax.KINDS
+  comm = mnjax.create_communicator(config.comm)  # kinds: mnjax.comm.KINDS
   _, record = train_and_evaluate(config, comm)
   if comm.is_root:
     print(f"final test accuracy {record['test_accuracy']:.4f}"

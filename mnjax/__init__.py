@@ -17,7 +17,7 @@ The layers, each a subpackage whose ``__init__`` is its API (imports flow downwa
 * `mnjax.functions` — ChainerMN's differentiable in-step communication (model parallelism);
 * `mnjax.collectives` — ChainerMN's communicator methods: host point-to-point and
   collectives on arrays and objects, ``comm.split``;
-* `mnjax.optim` — the optax transformations and `mnjax.recipes`;
+* `mnjax.optim` — the optax transformations and `mnjax.optim.recipes`;
 * `mnjax.nn` — `SyncBatchNorm`, `create_mnbn_model`;
 * `mnjax.data` — sharding, dataset sources, the loader, augmentations;
 * `mnjax.checkpoint` — verified, resumable checkpoints;
@@ -42,36 +42,30 @@ from mnjax import (
     optim,
     train,
 )
-from mnjax.checkpoint import Checkpointer, CorruptCheckpointError, LoopCheckpoints
-from mnjax.comm import KINDS, Communicator, broadcast, create_communicator
+from mnjax.checkpoint import Checkpointer
+from mnjax.comm import Communicator, broadcast, create_communicator
 from mnjax.data import epoch_batches, local_batch_size, scatter_dataset, scatter_index
 from mnjax.guard import Watchdog, check_replicas
-from mnjax.nn import SyncBatchNorm, allreduce_persistent
+from mnjax.nn import SyncBatchNorm
 from mnjax.optim import (
     accumulate_gradients,
     allreduce_gradients,
     create_multi_node_optimizer,
-    raise_if_diverging,
-    recipes,
     shard_optimizer,
     skip_nonfinite,
 )
-from mnjax.train import allreduce_metrics, data_parallel, global_mean, mean_metrics, process_local
+from mnjax.train import allreduce_metrics, data_parallel, mean_metrics, process_local
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "KINDS",
     "Checkpointer",
     "Communicator",
-    "CorruptCheckpointError",
-    "LoopCheckpoints",
     "SyncBatchNorm",
     "Watchdog",
     "accumulate_gradients",
     "allreduce_gradients",
     "allreduce_metrics",
-    "allreduce_persistent",
     "broadcast",
     "check_replicas",
     "checkpoint",
@@ -83,7 +77,6 @@ __all__ = [
     "data_parallel",
     "epoch_batches",
     "functions",
-    "global_mean",
     "guard",
     "local_batch_size",
     "mean_metrics",
@@ -91,8 +84,6 @@ __all__ = [
     "nn",
     "optim",
     "process_local",
-    "raise_if_diverging",
-    "recipes",
     "scatter_dataset",
     "scatter_index",
     "shard_optimizer",

@@ -88,7 +88,7 @@ for epoch in range(1, EPOCHS + 1):
                                     epoch=epoch):
     state, metrics = train_step(state, train.images[idx], train.labels[idx])
     sums = metrics if sums is None else jax.tree.map(lambda a, b: a + b, sums, metrics)
-  mean = mnjax.global_mean(mnjax.allreduce_metrics(sums, comm))
+  mean = mnjax.train.global_mean(mnjax.allreduce_metrics(sums, comm))
   local_losses.append(float(mean["loss"]))
   print(f"epoch {epoch}: train loss {mean['loss']:.4f}, accuracy {mean['correct']:.3f}")
 

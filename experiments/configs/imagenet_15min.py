@@ -1,6 +1,6 @@
 """Akiba, Suzuki and Fukuda 2017, "Extremely Large Minibatch SGD: Training ResNet-50 on
 ImageNet in 15 Minutes": ResNet-50 on ImageNet-1k at 224 px, global batch 32768 (39 steps per
-epoch), 90 epochs, with the paper's three pieces (`mnjax.recipes`):
+epoch), 90 epochs, with the paper's three pieces (`mnjax.optim.recipes`):
 
 * RMSprop warm-up (``rmsprop_warmup``, eta_rmsprop 3e-4, momentum 0.9, decay 0.99) blending
   into momentum SGD on the ELU-shaped ``akiba_blend`` (centre 10, period 5 epochs);

@@ -9,7 +9,7 @@ The digits CNN step of the main job (``experiments/train.py``: 32 images per ran
 - ``skip_nonfinite``: adam wrapped in `mnjax.skip_nonfinite` (an ``isfinite`` reduction over
   the reduced gradient and a select per step);
 - ``default_checks``: that, plus a running `mnjax.Watchdog` at its default 1 s heartbeat,
-  ``watchdog.step(i)`` every step and `mnjax.raise_if_diverging` on the previous step's
+  ``watchdog.step(i)`` every step and `mnjax.optim.raise_if_diverging` on the previous step's
   state every 10 steps — what the experiment scripts run;
 - ``watchdog_100x``: the same with a 10 ms heartbeat, 100 times the default rate, so that
   the thread's cost is visible at all (a round lasts about a second).
@@ -88,7 +88,7 @@ def measure(args) -> dict:
       watchdogs[name].step(step[0])
       new = train_step(state, images, labels)[0]
       if step[0] % 10 == 0:  # as the experiments: the previous step's counter, every 10 steps
-        mnjax.raise_if_diverging(state.opt_state, max_consecutive_skips=10)
+        mnjax.optim.raise_if_diverging(state.opt_state, max_consecutive_skips=10)
       return new
     return run
 

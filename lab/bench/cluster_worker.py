@@ -42,7 +42,7 @@ def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False) ->
   links = [] if wire is None else [mnjax.allreduce_gradients(comm, wire_dtype=dtype)]
   tx = optax.chain(*links, optax.sgd(0.1))
   if shard and wire is not None:
-    tx = mnjax.shard_optimizer(comm, optax.sgd(0.1), wire_dtype=dtype)
+    tx = mnjax.shard_optimizer(optax.sgd(0.1), comm, wire_dtype=dtype)
 
   def step(params, opt_state, x):
     # The baseline leaves the batch out: without the exchange, replicas would differ.

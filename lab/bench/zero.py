@@ -5,7 +5,7 @@
 
 For each rank count the script re-launches itself under ``mpirun -n P`` (``--bind-to core``
 while there are cores for the ranks, unbound beyond) and compares, in the same processes,
-``mnjax.shard_optimizer(comm, optax.adam(1e-3))`` ("sharded") with
+``mnjax.shard_optimizer(optax.adam(1e-3), comm)`` ("sharded") with
 ``optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3))`` ("unsharded") on:
 
 1. **the digits CNN** (`lab.models.SmallCNN`, 151k float32 parameters): the whole train
@@ -73,7 +73,7 @@ def _variants(comm):
   import mnjax
 
   return {"unsharded": optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3)),
-          "sharded": mnjax.shard_optimizer(comm, optax.adam(1e-3))}
+          "sharded": mnjax.shard_optimizer(optax.adam(1e-3), comm)}
 
 
 def state_bytes(tree) -> int:
@@ -200,7 +200,7 @@ def main(argv: list[str]) -> None:
   print("\n".join(_table(rows, "resnet50_update")))
   result = {"benchmark": "zero", "cores": cores, "optimizer": "adam(1e-3)",
             "variants": {"unsharded": "optax.chain(allreduce_gradients(comm), adam)",
-                         "sharded": "shard_optimizer(comm, adam)"},
+                         "sharded": "shard_optimizer(adam, comm)"},
             "workloads": {"digits_cnn": "SmallCNN train step on digits, real batch",
                           "resnet50_update": "tx.update + apply_updates only, ResNet-50 shapes,"
                                              " random gradients"},

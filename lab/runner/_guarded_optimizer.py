@@ -29,7 +29,7 @@ def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicato
   """``optax.chain(allreduce_gradients(comm, ...), skip_nonfinite(optimizer))`` with the
   config's wire dtype and buckets: the chain `train_loop` expects. After the allreduce every
   rank holds the same gradient, so all skip a non-finite step together. With
-  ``config.shard_optimizer``: ``skip_nonfinite(shard_optimizer(comm, optimizer, ...),
+  ``config.shard_optimizer``: ``skip_nonfinite(shard_optimizer(optimizer, comm, ...),
   on="update")`` (the all-gathered update is the same on every rank). With
   ``config.double_buffering``: ``double_buffered_optimizer(skip_nonfinite(optimizer), comm,
   ...)``, ChainerMN's (the optimizer first runs at the second step).
@@ -39,7 +39,7 @@ def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicato
     >>> tx = guarded_optimizer(optax.adam(1e-3), comm, config)
   """
   if config.shard_optimizer:
-    sharded = shard_optimizer(comm, optimizer, wire_dtype=config.wire_dtype,
+    sharded = shard_optimizer(optimizer, comm, wire_dtype=config.wire_dtype,
                               bucket_bytes=bucket_bytes_from_mb(config.bucket_mb))
     return skip_nonfinite(sharded, on="update")
   options = dict(wire_dtype=config.wire_dtype, bucket_bytes=bucket_bytes_from_mb(config.bucket_mb))

@@ -2,7 +2,7 @@
 
 `train_loop` runs epochs of a train step over an experiment's batches and owns everything
 around the step that must not differ between experiments: resuming from the newest
-checkpoint (`mnjax.LoopCheckpoints`, bit for bit, mid-epoch too), the stall watchdog, the
+checkpoint (`mnjax.checkpoint.LoopCheckpoints`, bit for bit, mid-epoch too), the stall watchdog, the
 divergence check on `mnjax.skip_nonfinite`'s counters, the replica comparison after every
 epoch, exact global metrics, the JSON-lines log, the progress bar, checkpoints every
 ``checkpoint_steps`` steps and every ``checkpoint_every`` epochs (a save that fails stops

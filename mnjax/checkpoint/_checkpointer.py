@@ -250,7 +250,7 @@ class Checkpointer:
     if wrong:
       raise CheckpointTemplateError(
           f"{wrong} Nothing was loaded. Build the template's optimizer state with"
-          " shard_optimizer(comm, tx).init(params) for this job's communicator.")
+          " shard_optimizer(tx, comm).init(params) for this job's communicator.")
     original = template
     template = own.whole_template(self.comm, template)  # every rank's PerRankState parts
     shards, template = template, sharded.whole_template(template)  # as written on disk

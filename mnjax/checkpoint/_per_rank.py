@@ -17,7 +17,7 @@ and `Checkpointer.save` refuses it on every rank otherwise, before anything is w
   - a double-buffered pending gradient (`DoubleBufferingState`) not flushed:
     `mnjax.train.flush_pending` (`lab.runner.train_loop` flushes before each save);
   - BatchNorm statistics (a path through ``batch_stats``) of per-replica ``nn.BatchNorm``:
-    `mnjax.SyncBatchNorm`, or `mnjax.allreduce_persistent` before saving;
+    `mnjax.SyncBatchNorm`, or `mnjax.nn.allreduce_persistent` before saving;
   - a PRNG key drawn per rank: one key in the state, ``fold_in(key, comm.rank)`` in the step;
   - ``meta`` (epoch, data position) passed differently: rank 0's would be the one restored.
 
@@ -105,7 +105,7 @@ def _fix(paths: list[str], state: Any) -> str:
     fixes.append(
         "BatchNorm statistics of per-replica flax nn.BatchNorm differ between replicas: use"
         " mnjax.SyncBatchNorm (global-batch statistics), or average them with"
-        " mnjax.allreduce_persistent(batch_stats, comm) on every rank before saving")
+        " mnjax.nn.allreduce_persistent(batch_stats, comm) on every rank before saving")
   if keys.intersection(paths):
     fixes.append(
         "a random key differs between ranks: keep one key in the state (the same on every"

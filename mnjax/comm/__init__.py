@@ -6,9 +6,9 @@
 * In-step collectives, callable inside `jax.jit`: `allreduce_tree` fuses a pytree into
   buckets and allreduces them in one order on every rank, optionally over a 16-bit wire
   (`WIRE_DTYPES`, `error_bound`).
-* Host collectives, outside any trace: `broadcast` and `allreduce_persistent` (and, under
-  `mnjax.train`'s metrics, exact sums), each checking first that every rank passed the same
-  tree.
+* Host collectives, outside any trace: `broadcast` (and, under `mnjax.nn`'s
+  `allreduce_persistent` and `mnjax.train`'s metrics, exact sums), each checking first that
+  every rank passed the same tree.
 * `abort`, `install_abort_on_error`: one failing rank ends the job instead of leaving its
   peers waiting.
 * ChainerMN's methods on `Communicator` (``comm.split``, ``comm.send``, ``comm.bcast_obj``,
@@ -25,7 +25,7 @@ from mnjax.comm._collectives import allreduce_tree
 from mnjax.comm._communicator import KINDS, Communicator, check_communicator, create_communicator
 from mnjax.comm._failfast import abort
 from mnjax.comm._failfast import install as install_abort_on_error
-from mnjax.comm._host import allreduce_persistent, broadcast
+from mnjax.comm._host import broadcast
 from mnjax.comm._wire import WIRE_DTYPES, error_bound
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "WIRE_DTYPES",
     "Communicator",
     "abort",
-    "allreduce_persistent",
     "allreduce_tree",
     "broadcast",
     "bucket_bytes_from_mb",

@@ -200,7 +200,7 @@ def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
 
   Example:
     >>> stats = {"mean": jnp.full(2, float(comm.rank)), "count": np.int32(7)}  # per rank
-    >>> stats = mnjax.allreduce_persistent(stats, comm)  # before evaluating or saving
+    >>> stats = mnjax.nn.allreduce_persistent(stats, comm)  # before evaluating or saving
     >>> stats["mean"].tolist() == [(comm.size - 1) / 2] * 2, int(stats["count"])
     (True, 7)
   """

@@ -42,7 +42,7 @@ def shares_in(tree: Any) -> list[str]:
   on every rank by design.
 
   Example:
-    >>> state = {"opt": mnjax.shard_optimizer(comm, optax.adam(0.1)).init({"w": jnp.ones(3)})}
+    >>> state = {"opt": mnjax.shard_optimizer(optax.adam(0.1), comm).init({"w": jnp.ones(3)})}
     >>> shares_in(state), shares_in({"w": jnp.ones(3)})
     (["['opt'].shard_0_of_1"], [])
   """

@@ -45,7 +45,7 @@ class DynamicLossScaleState(NamedTuple):
   Attributes:
     scale: the float32 factor to multiply the loss by in the next step.
     good_steps: finite steps since the scale last changed (int32).
-    inner_state: a `SkipNonFiniteState` (skip counters; `mnjax.raise_if_diverging` reads
+    inner_state: a `SkipNonFiniteState` (skip counters; `mnjax.optim.raise_if_diverging` reads
       them) holding the wrapped optimizer's state.
   """
 
@@ -74,7 +74,7 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, initial_scale: fl
     backoff_factor: the scale is multiplied by it after a non-finite step.
     growth_interval: finite steps in a row before the scale grows.
     min_scale: the scale never goes below it (1.0: below that, scaling no longer protects
-      small gradients; a run that keeps overflowing is one for `mnjax.raise_if_diverging`).
+      small gradients; a run that keeps overflowing is one for `mnjax.optim.raise_if_diverging`).
 
   Returns:
     An `optax.GradientTransformation` whose state is a `DynamicLossScaleState`. Its

@@ -13,7 +13,7 @@ With `mnjax.shard_optimizer` the exchange is inside the optimizer, and a gradien
 is still each rank's own: wrap the sharded optimizer and decide on the update it returns,
 which is all-gathered and so the same on every rank (a NaN anywhere reaches it)::
 
-    tx = mnjax.skip_nonfinite(mnjax.shard_optimizer(comm, optax.adam(1e-3)), on="update")
+    tx = mnjax.skip_nonfinite(mnjax.shard_optimizer(optax.adam(1e-3), comm), on="update")
 
 A skipped step leaves parameters and the wrapped optimizer's state untouched and counts the
 skip. Unlike ``optax.apply_if_finite``, which after too many errors applies the bad update
@@ -103,7 +103,7 @@ def skip_nonfinite(inner: optax.GradientTransformation, *, on: str = "gradient"
           "skip_nonfinite: the optimizer it wraps is sharded (mnjax.shard_optimizer), so the"
           " gradient it sees is each rank's own, before the exchange, and ranks would skip"
           " different steps. Decide on the all-gathered update instead:"
-          " skip_nonfinite(shard_optimizer(comm, tx), on='update').")
+          " skip_nonfinite(shard_optimizer(tx, comm), on='update').")
     return SkipNonFiniteState(zero, zero, inner_state)
 
   def update_fn(updates, state, params=None, **extra):
@@ -133,8 +133,8 @@ def raise_if_diverging(opt_state: Any, max_consecutive_skips: int) -> None:
     >>> params = {"w": jnp.ones(3)}
     >>> opt_state = tx.init(params)
     >>> _, opt_state = tx.update({"w": jnp.full(3, jnp.nan)}, opt_state, params)  # skipped
-    >>> mnjax.raise_if_diverging(opt_state, max_consecutive_skips=10)   # one skip: fine
-    >>> mnjax.raise_if_diverging(opt_state, max_consecutive_skips=0)
+    >>> mnjax.optim.raise_if_diverging(opt_state, max_consecutive_skips=10)   # one skip: fine
+    >>> mnjax.optim.raise_if_diverging(opt_state, max_consecutive_skips=0)
     Traceback (most recent call last):
     ...
     FloatingPointError: mnjax: 1 consecutive steps had non-finite (NaN or Inf) gradients ...
@@ -143,7 +143,7 @@ def raise_if_diverging(opt_state: Any, max_consecutive_skips: int) -> None:
 
     >>> previous = state                                  # doctest: +SKIP
     >>> state, metrics = train_step(state, batch)         # doctest: +SKIP
-    >>> mnjax.raise_if_diverging(previous.opt_state, max_consecutive_skips=10)  # doctest: +SKIP
+    >>> mnjax.optim.raise_if_diverging(previous.opt_state, 10)  # doctest: +SKIP
   """
   if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 0:
     raise ValueError("raise_if_diverging: max_consecutive_skips must be an int >= 0, got"

@@ -1,6 +1,6 @@
 """Optimizer-state sharding (ZeRO stage 1) as one optax transformation.
 
-`shard_optimizer(comm, tx)` is used *instead of* ``optax.chain(allreduce_gradients(comm), tx)``.
+`shard_optimizer(tx, comm)` is used *instead of* ``optax.chain(allreduce_gradients(comm), tx)``.
 Each rank keeps only its share of `tx`'s state; a step reduce-scatters the gradients (each
 rank receives the global mean of its share), runs `tx` on that share with its share of the
 state and of the parameters, and all-gathers the updates. Each rank sends and receives an
@@ -66,7 +66,7 @@ from mnjax.comm import _primitives as mpi_ops
 from mnjax.comm import _scatter as scatter
 from mnjax.comm import _sequence as sequence
 from mnjax.comm import _wire as wire
-from mnjax.comm._communicator import check_communicator
+from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.guard import _preflight as preflight
 from mnjax.guard import _program as program
 from mnjax.optim._shard_checks import (
@@ -79,7 +79,7 @@ from mnjax.optim._shard_state import ShardedState, check_state, sharded_state
 __all__ = ["shard_optimizer"]
 
 
-def shard_optimizer(comm, tx: optax.GradientTransformation, *, wire_dtype: Any = None,
+def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any = None,
                     bucket_bytes: int | str | None = "auto",
                     clip_global_norm: float | None = None, check_elementwise: bool = True,
                     preflight_timeout: float = preflight.DEFAULT_TIMEOUT,
@@ -87,9 +87,9 @@ def shard_optimizer(comm, tx: optax.GradientTransformation, *, wire_dtype: Any =
   """ZeRO-1: `tx` with its state sharded over the ranks; replaces ``chain(allreduce, tx)``.
 
   Args:
-    comm: a ``flat`` `Communicator` (one process per device).
     tx: the optimizer to shard; elementwise (module docstring). Known whole-tree
       transformations are refused here, by name, with the alternative.
+    comm: a ``flat`` `Communicator` (one process per device).
     wire_dtype: None or ``jnp.bfloat16`` / ``jnp.float16``: the gradients' reduce-scatter in
       16 bits with float32 sums (one rounding, within `mnjax.comm.error_bound`). The
       updates are all-gathered in their own dtype.
@@ -106,7 +106,7 @@ def shard_optimizer(comm, tx: optax.GradientTransformation, *, wire_dtype: Any =
     An `optax.GradientTransformation` whose state is a `ShardedState`.
 
   Example:
-    >>> tx = mnjax.shard_optimizer(comm, optax.adam(0.1))
+    >>> tx = mnjax.shard_optimizer(optax.adam(0.1), comm)
     >>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(5)}
     >>> opt_state = tx.init(params)
     >>> opt_state.inner[0].mu["w"].shape == (-(-6 // comm.size),)   # this rank's share
@@ -121,6 +121,9 @@ def shard_optimizer(comm, tx: optax.GradientTransformation, *, wire_dtype: Any =
     [-0.1, -0.1, -0.1, -0.1, -0.1]
   """
   caller = "shard_optimizer"
+  if isinstance(tx, Communicator):
+    raise TypeError(f"{caller}: the wrapped transformation comes first, as in optax's wrappers:"
+                    f" {caller}(tx, comm), got a Communicator as the first argument.")
   check_communicator(comm, caller)
   if comm.kind != "flat":
     raise ValueError(

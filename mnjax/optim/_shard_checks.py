@@ -46,7 +46,7 @@ __all__ = ["NEEDS_WHOLE_TREE", "check_elementwise_on_shares", "whole_tree_transf
 
 _CLIP = "pass clip_global_norm=max_norm to shard_optimizer instead (exact on shares)"
 _WRAP = ("wrap the sharded optimizer instead, deciding on the whole (all-gathered) update:"
-         " skip_nonfinite(shard_optimizer(comm, tx), on='update')")
+         " skip_nonfinite(shard_optimizer(tx, comm), on='update')")
 _UNSHARDED = "use optax.chain(mnjax.allreduce_gradients(comm), tx) (unsharded state)"
 
 #: Known optax/mnjax transformations that need the whole tree or whole leaves, by the name

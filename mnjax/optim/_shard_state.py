@@ -44,7 +44,7 @@ class ShardedState:
   how `mnjax.Checkpointer` saves it whole and restores it on any number of ranks.
 
   Example:
-    >>> state = mnjax.shard_optimizer(comm, optax.adam(1e-3)).init({"w": jnp.ones(3)})
+    >>> state = mnjax.shard_optimizer(optax.adam(1e-3), comm).init({"w": jnp.ones(3)})
     >>> state.parts == comm.size, jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(
     ...     state)[0][0][0]).startswith(f".shard_{comm.rank}_of_{comm.size}")
     (True, True)
@@ -117,7 +117,7 @@ def gather_optimizer_state(comm, tx: Any, state: ShardedState, params: Any) -> A
   Example:
     >>> tx = optax.adam(1e-3)
     >>> params = {"w": jnp.ones((3, 2))}
-    >>> state = mnjax.shard_optimizer(comm, tx).init(params)
+    >>> state = mnjax.shard_optimizer(tx, comm).init(params)
     >>> full = mnjax.optim.gather_optimizer_state(comm, tx, state, params)
     >>> full[0].mu["w"].shape
     (3, 2)
@@ -180,7 +180,7 @@ def gather_to_root(comm, state: ShardedState, *, root: int = 0) -> Any:
   ``parts == comm.size``), with a layout and the same leaves (`mnjax.Checkpointer` does).
 
   Example:
-    >>> state = mnjax.shard_optimizer(comm, optax.adam(1e-3)).init({"w": jnp.ones((3, 2))})
+    >>> state = mnjax.shard_optimizer(optax.adam(1e-3), comm).init({"w": jnp.ones((3, 2))})
     >>> gather_to_root(comm, state)[0].mu["w"].shape if comm.is_root else None
     (3, 2)
   """
@@ -206,7 +206,7 @@ def whole_like(state: ShardedState) -> Any:
   share leaf at its whole shape, every other leaf as it is; the dtypes of `state`'s.
 
   Example:
-    >>> state = mnjax.shard_optimizer(comm, optax.adam(1e-3)).init({"w": jnp.ones((3, 2))})
+    >>> state = mnjax.shard_optimizer(optax.adam(1e-3), comm).init({"w": jnp.ones((3, 2))})
     >>> whole_like(state)[0].mu["w"].shape
     (3, 2)
   """
@@ -223,7 +223,7 @@ def cut_like(state: ShardedState, whole: Any) -> ShardedState:
 
   Example:
     >>> tx, params = optax.adam(1e-3), {"w": jnp.arange(5.0)}
-    >>> state = mnjax.shard_optimizer(comm, tx).init(params)
+    >>> state = mnjax.shard_optimizer(tx, comm).init(params)
     >>> cut_like(state, tx.init(params)).inner[0].mu["w"].shape == state.inner[0].mu["w"].shape
     True
   """

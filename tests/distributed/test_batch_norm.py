@@ -376,7 +376,7 @@ def test_axis_name_is_refused(comm):
 def test_allreduce_persistent_averages_running_statistics(comm):
   stats = {"a": {"mean": np.full(3, float(comm.rank), np.float32)},
            "b": jnp.arange(4.0) * (comm.rank + 1)}
-  got = mnjax.allreduce_persistent(stats, comm)
+  got = mnjax.nn.allreduce_persistent(stats, comm)
   np.testing.assert_allclose(got["a"]["mean"], np.full(3, (comm.size - 1) / 2))
   np.testing.assert_allclose(got["b"], np.arange(4.0) * (comm.size + 1) / 2)
   assert isinstance(got["b"], jax.Array) and got["a"]["mean"].dtype == np.float32
@@ -386,7 +386,7 @@ def test_allreduce_persistent_passes_integer_and_bool_leaves_through(comm):
   # ChainerMN skips integer persistents (counters); before, any integer leaf was a TypeError.
   stats = {"mean": jnp.full(2, float(comm.rank)), "num_batches_tracked": jnp.int32(12),
            "steps": np.arange(3, dtype=np.int64), "seen": True, "epoch": 4}
-  got = mnjax.allreduce_persistent(stats, comm)
+  got = mnjax.nn.allreduce_persistent(stats, comm)
   np.testing.assert_allclose(got["mean"], np.full(2, (comm.size - 1) / 2))
   assert isinstance(got["num_batches_tracked"], jax.Array)
   assert got["num_batches_tracked"].dtype == jnp.int32 and int(got["num_batches_tracked"]) == 12
@@ -407,7 +407,7 @@ def test_allreduce_persistent_integer_leaf_that_differs_raises_on_every_rank(com
            else rf"rank 0 {hashed}, rank {comm.size - 1} {hashed}")
   with pytest.raises(ValueError, match=rf"integer/bool leaf \['{leaf}'\] differs between ranks"
                                        rf" \({shown}\).*Nothing was averaged"):
-    mnjax.allreduce_persistent(stats, comm)
+    mnjax.nn.allreduce_persistent(stats, comm)
   assert comm.mpi_comm.allreduce(1) == comm.size  # the ranks are still in step
 
 
@@ -416,7 +416,7 @@ def test_allreduce_persistent_mismatch_raises_on_every_rank(comm):
     pytest.skip("a mismatch needs two ranks (runs under mpirun -n 2 and -n 3)")
   stats = {"mean": np.zeros(3 if comm.rank == 0 else 4, np.float32)}
   with pytest.raises(ValueError, match="differs from rank 0"):
-    mnjax.allreduce_persistent(stats, comm)
+    mnjax.nn.allreduce_persistent(stats, comm)
 
 
 class Stack(nn.Module):

@@ -100,7 +100,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(comm, tmp_path, ca
     if comm.rank == 0:
       assert f"skipping checkpoint {directory}/2" in capfd.readouterr().err
       damage(directory, 1, how)
-    with pytest.raises(mnjax.CorruptCheckpointError,
+    with pytest.raises(mnjax.checkpoint.CorruptCheckpointError,
                        match=r"none of the 2 checkpoints .* reads back intact.*Nothing was loaded"):
       ckpt.restore(big)
 

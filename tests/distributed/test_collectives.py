@@ -125,7 +125,7 @@ def test_allreduce_metrics_exact_integers_and_float_sums(comm):
   assert out["count"] == 10 * comm.size and out["count"].dtype == np.int64
   assert out["loss_sum"] == pytest.approx(0.5 * comm.size)
   np.testing.assert_array_equal(out["hist"], np.arange(3) * sum(range(comm.size)))
-  assert mnjax.global_mean(out)["loss"] == pytest.approx(0.05)
+  assert mnjax.train.global_mean(out)["loss"] == pytest.approx(0.05)
 
 
 def test_in_step_allreduce_refuses_differentiation_with_a_clear_error(comm):

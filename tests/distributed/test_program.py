@@ -105,7 +105,7 @@ def test_another_constant_on_one_rank_is_named(comm):
 
 def test_shard_optimizer_with_another_inner_rate_is_named_in_a_plain_jit_step(comm):
   needs_ranks(comm)
-  tx = mnjax.shard_optimizer(comm, optax.adam(odd(comm, 1e-2, 1e-1)))
+  tx = mnjax.shard_optimizer(optax.adam(odd(comm, 1e-2, 1e-1)), comm)
   params = {"w": jnp.ones((3, 2))}
   message = raises_everywhere(
       comm, lambda: jax.jit(train_step(tx))(params, tx.init(params), jnp.ones((2, 3))),
@@ -200,7 +200,7 @@ def test_a_rank_dependent_scope_is_compared_by_shapes_only(comm):
 
 def test_shard_optimizer_under_data_parallel_runs(comm):
   # Each rank slices its own share: allowed (rank_dependent), the rest still compared.
-  tx = mnjax.shard_optimizer(comm, optax.adam(1e-2))
+  tx = mnjax.shard_optimizer(optax.adam(1e-2), comm)
   params, _ = run(comm, tx)
   everyone = comm.mpi_comm.allgather(np.asarray(params["w"]))
   assert all(np.array_equal(w, everyone[0]) for w in everyone)

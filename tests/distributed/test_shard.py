@@ -98,7 +98,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_equals_allreduce_chain_and_single_process(comm, name):
   data = batches(comm.size)
-  sharded, state = train(mnjax.shard_optimizer(comm, OPTIMIZERS[name]()), comm, data)
+  sharded, state = train(mnjax.shard_optimizer(OPTIMIZERS[name](), comm), comm, data)
   chained, _ = train(optax.chain(mnjax.allreduce_gradients(comm), OPTIMIZERS[name]()), comm,
                      data)
   assert_equal(sharded, chained, rtol=1e-6)  # not bitwise: module docstring
@@ -115,7 +115,7 @@ def test_equals_allreduce_chain_and_single_process(comm, name):
 def test_each_rank_holds_its_share_of_every_moment(comm):
   params = init_params()
   full = optax.adam(1e-3).init(params)
-  state = mnjax.shard_optimizer(comm, optax.adam(1e-3)).init(params)
+  state = mnjax.shard_optimizer(optax.adam(1e-3), comm).init(params)
   mu, nu = state.inner[0].mu, state.inner[0].nu
   for k, s in SHAPES.items():
     n = int(np.prod(s))
@@ -130,7 +130,7 @@ def test_sixteen_bit_wire_within_its_bound(comm):
   rng = np.random.default_rng(3)
   every = rng.standard_normal((comm.size, 35)).astype(np.float32) * 10
   grads = {"w": jnp.asarray(every[comm.rank].reshape(7, 5))}
-  tx = mnjax.shard_optimizer(comm, optax.sgd(1.0), wire_dtype=jnp.bfloat16)
+  tx = mnjax.shard_optimizer(optax.sgd(1.0), comm, wire_dtype=jnp.bfloat16)
   params = {"w": jnp.zeros((7, 5))}
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   got = -np.asarray(updates["w"]).ravel()
@@ -142,7 +142,7 @@ def test_sixteen_bit_wire_within_its_bound(comm):
 @pytest.mark.parametrize("max_norm", [1e-2, 1e3])  # clipping active, and not
 def test_clip_global_norm_equals_optax_clipping_before_tx(comm, max_norm):
   data = batches(comm.size, steps=4)
-  sharded, _ = train(mnjax.shard_optimizer(comm, optax.adam(1e-2), clip_global_norm=max_norm),
+  sharded, _ = train(mnjax.shard_optimizer(optax.adam(1e-2), comm, clip_global_norm=max_norm),
                      comm, data)
   reference, _ = single_process(
       optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(1e-2)), data)
@@ -152,7 +152,7 @@ def test_clip_global_norm_equals_optax_clipping_before_tx(comm, max_norm):
 
 def test_checkpoint_resumes_bitwise_on_the_same_ranks(comm):
   tx = optax.adam(1e-2)
-  sharded = mnjax.shard_optimizer(comm, tx)
+  sharded = mnjax.shard_optimizer(tx, comm)
   data = batches(comm.size)
   whole, whole_state = train(sharded, comm, data)
   params, state = train(sharded, comm, data[:4])
@@ -194,14 +194,14 @@ def test_checkpoint_resumes_on_another_number_of_ranks(comm, order):
   reference, ref_state = single_process(tx, data)
   directory = world.bcast(tempfile.mkdtemp() if comm.is_root else None, root=0)
   if colour == 0 or first is comm:
-    params, state = train(mnjax.shard_optimizer(first, tx), first, data[:5])
+    params, state = train(mnjax.shard_optimizer(tx, first), first, data[:5])
     ckpt = mnjax.Checkpointer(directory, first, async_save=False)
     ckpt.save(5, {"params": params,
                   "opt": mnjax.optim.gather_optimizer_state(first, tx, state, params)})
     ckpt.close()
   world.Barrier()
   if colour == 0 or second is comm:
-    sharded = mnjax.shard_optimizer(second, tx)
+    sharded = mnjax.shard_optimizer(tx, second)
     fresh = init_params()
     template = {"params": fresh, "opt": mnjax.optim.gather_optimizer_state(
         second, tx, sharded.init(fresh), fresh)}
@@ -248,7 +248,7 @@ def test_resharding_for_any_number_of_ranks_is_lossless():
 ])
 def test_whole_tree_transformations_are_refused_at_construction(comm, tx, name):
   with pytest.raises(ValueError, match=name):
-    mnjax.shard_optimizer(comm, tx())
+    mnjax.shard_optimizer(tx(), comm)
 
 
 def test_a_transformation_the_names_miss_is_refused_by_the_probe(comm):
@@ -260,38 +260,40 @@ def test_a_transformation_the_names_miss_is_refused_by_the_probe(comm):
 
   shape_mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
   for tx in (scale_by_mean_square(), optax.adamw(1e-3, mask=shape_mask)):
-    sharded = mnjax.shard_optimizer(comm, tx)  # no known name: accepted here
+    sharded = mnjax.shard_optimizer(tx, comm)  # no known name: accepted here
     with pytest.raises(ValueError, match="not elementwise"):
       sharded.init(init_params())
   # The mask given as a pytree of bools is elementwise, and accepted.
   mask = jax.tree.map(lambda x: x.ndim > 1, init_params())
-  mnjax.shard_optimizer(comm, optax.adamw(1e-3, mask=mask)).init(init_params())
+  mnjax.shard_optimizer(optax.adamw(1e-3, mask=mask), comm).init(init_params())
 
 
 def test_bad_arguments_are_refused(comm):
   with pytest.raises(TypeError, match="Communicator"):
-    mnjax.shard_optimizer(None, optax.adam(1e-3))
+    mnjax.shard_optimizer(optax.adam(1e-3), None)
   with pytest.raises(TypeError, match="GradientTransformation"):
-    mnjax.shard_optimizer(comm, "adam")
+    mnjax.shard_optimizer("adam", comm)
+  with pytest.raises(TypeError, match=r"comes first.*shard_optimizer\(tx, comm\)"):
+    mnjax.shard_optimizer(comm, optax.adam(1e-3))  # arguments swapped
   with pytest.raises(ValueError, match="allreduce_gradients"):
-    mnjax.shard_optimizer(comm, optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1)))
+    mnjax.shard_optimizer(optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1)), comm)
   with pytest.raises(ValueError, match="clip_global_norm"):
-    mnjax.shard_optimizer(comm, optax.adam(1e-3), clip_global_norm=-1.0)
+    mnjax.shard_optimizer(optax.adam(1e-3), comm, clip_global_norm=-1.0)
   with pytest.raises(ValueError, match="wire_dtype"):
-    mnjax.shard_optimizer(comm, optax.adam(1e-3), wire_dtype=jnp.int8)
+    mnjax.shard_optimizer(optax.adam(1e-3), comm, wire_dtype=jnp.int8)
   with pytest.raises(TypeError, match=r"leaf \['step'\]"):
-    mnjax.shard_optimizer(comm, optax.adam(1e-3)).init({"w": jnp.ones(3),
+    mnjax.shard_optimizer(optax.adam(1e-3), comm).init({"w": jnp.ones(3),
                                                         "step": jnp.zeros((), jnp.int32)})
 
 
 def test_multi_device_kinds_are_refused_at_construction():
   comm = mnjax.create_communicator("hierarchical")
   with pytest.raises(ValueError, match="'hierarchical' is not supported.*flat"):
-    mnjax.shard_optimizer(comm, optax.adam(1e-3))
+    mnjax.shard_optimizer(optax.adam(1e-3), comm)
 
 
 def test_a_state_of_another_sharding_is_refused_when_traced(comm):
-  tx = mnjax.shard_optimizer(comm, optax.adam(1e-3))
+  tx = mnjax.shard_optimizer(optax.adam(1e-3), comm)
   params = init_params()
   state = tx.init(params)
   other = shard.ShardedState(state.inner, comm.rank, comm.size + 1)
@@ -313,7 +315,7 @@ def test_shares_and_wire_helpers_round_trip():
 def test_ranks_that_trace_different_trees_are_stopped_before_any_exchange(comm):
   if comm.size == 1:
     pytest.skip("needs two ranks or more (runs under mpirun)")
-  tx = mnjax.shard_optimizer(comm, optax.adam(1e-3), preflight_timeout=60)
+  tx = mnjax.shard_optimizer(optax.adam(1e-3), comm, preflight_timeout=60)
   params = {"w": jnp.ones((4, 3))}
   state = tx.init(params)
   shape = (3, 4) if comm.rank == comm.size - 1 else (4, 3)  # same size: MPI would not notice
@@ -330,7 +332,7 @@ def test_small_buckets_and_half_precision_leaves(comm):
   every = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
            for _ in range(comm.size)]
   results = []
-  for tx in (mnjax.shard_optimizer(comm, optax.sgd(0.1, momentum=0.9), bucket_bytes=64),
+  for tx in (mnjax.shard_optimizer(optax.sgd(0.1, momentum=0.9), comm, bucket_bytes=64),
              optax.chain(mnjax.allreduce_gradients(comm, bucket_bytes=64),
                          optax.sgd(0.1, momentum=0.9))):
     p, s = params, tx.init(params)
@@ -349,7 +351,7 @@ def test_small_buckets_and_half_precision_leaves(comm):
 def test_a_nonfinite_gradient_on_one_rank_is_skipped_by_every_rank(comm):
   # skip_nonfinite around the sharded optimizer decides on the all-gathered update, the same
   # on every rank; a NaN in the last rank's batch of step 4 reaches it through the exchange.
-  tx = mnjax.skip_nonfinite(mnjax.shard_optimizer(comm, optax.adam(1e-2)), on="update")
+  tx = mnjax.skip_nonfinite(mnjax.shard_optimizer(optax.adam(1e-2), comm), on="update")
   data = batches(comm.size)
   data[4, -1, 0] = np.nan  # the last rank's last example
   params, state = train(tx, comm, data)
@@ -362,7 +364,7 @@ def test_a_nonfinite_gradient_on_one_rank_is_skipped_by_every_rank(comm):
 def test_deciding_on_each_ranks_own_gradient_is_refused(comm):
   with pytest.raises(ValueError, match=r"is sharded .* ranks would skip different steps.*"
                                        r"on='update'"):
-    mnjax.skip_nonfinite(mnjax.shard_optimizer(comm, optax.adam(1e-2))).init(init_params())
+    mnjax.skip_nonfinite(mnjax.shard_optimizer(optax.adam(1e-2), comm)).init(init_params())
 
 
 def home_made_clip(max_norm):
@@ -384,7 +386,7 @@ def test_a_home_made_global_norm_clip_is_refused_above_the_old_probes_range(comm
   # gradients cross it. The probe's second pair (1e15, then 1e14) crosses it.
   tx = optax.chain(home_made_clip(max_norm),
                    optax.sgd(0.1) if after == "sgd" else optax.adam(1e-2))
-  sharded = mnjax.shard_optimizer(comm, tx)  # no known name: accepted here
+  sharded = mnjax.shard_optimizer(tx, comm)  # no known name: accepted here
   with pytest.raises(ValueError, match=r"not elementwise.*clip_global_norm="):
     sharded.init(init_params())
 
@@ -392,15 +394,15 @@ def test_a_home_made_global_norm_clip_is_refused_above_the_old_probes_range(comm
 def test_elementwise_optimizers_still_pass_the_probe_with_huge_gradients(comm):
   for tx in (optax.sgd(0.1, momentum=0.9), optax.adam(1e-2), optax.rmsprop(1e-3),
              optax.lion(1e-4), optax.adamw(1e-2, weight_decay=0.1)):
-    mnjax.shard_optimizer(comm, tx).init(init_params())
+    mnjax.shard_optimizer(tx, comm).init(init_params())
   bf16 = {"w": jnp.ones((4, 3), jnp.bfloat16), "h": jnp.ones(5, jnp.float16)}
-  mnjax.shard_optimizer(comm, optax.adam(1e-2)).init(bf16)
+  mnjax.shard_optimizer(optax.adam(1e-2), comm).init(bf16)
 
 
 def test_broadcast_and_check_replicas_of_a_sharded_state_say_what_to_do(comm):
   """Each rank holds its own share by design: the advice for trees that should be equal
   ("build the tree the same way", "restore the last checkpoint") is not the fix."""
-  tx = mnjax.shard_optimizer(comm, optax.adam(1e-2))
+  tx = mnjax.shard_optimizer(optax.adam(1e-2), comm)
   params = init_params()
   state = {"params": params, "opt": tx.init(params)}
   where = rf"\['opt'\]\.shard_{comm.rank}_of_{comm.size}"

@@ -32,7 +32,7 @@ def assert_bitwise(a, b):
 
 
 def test_raw_sharded_state_resumes_bitwise_on_the_same_ranks(comm, tmp_path):
-  sharded = mnjax.shard_optimizer(comm, TX())
+  sharded = mnjax.shard_optimizer(TX(), comm)
   data = batches(comm.size)
   whole, whole_state = train(sharded, comm, data)
   params, state = train(sharded, comm, data[:4])
@@ -52,7 +52,7 @@ def test_on_disk_tree_is_the_unsharded_state(comm, tmp_path):
   # Restored into an unsharded template, the checkpoint is gather_optimizer_state's tree, bit
   # for bit, and it verified against the digests saved with it (restore checks them).
   tx = TX()
-  params, state = train(mnjax.shard_optimizer(comm, tx), comm, batches(comm.size, steps=3))
+  params, state = train(mnjax.shard_optimizer(tx, comm), comm, batches(comm.size, steps=3))
   full = mnjax.optim.gather_optimizer_state(comm, tx, state, params)
   directory = tmp_path
   with mnjax.Checkpointer(directory, comm) as ckpt:  # asynchronous, the default
@@ -69,14 +69,14 @@ def test_on_disk_tree_is_the_unsharded_state(comm, tmp_path):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_damaged_whole_state_is_not_loaded(comm, tmp_path):
   # The digests are of the whole state as written (test_checkpointer.py's damage and noise).
-  sharded = mnjax.shard_optimizer(comm, TX())
+  sharded = mnjax.shard_optimizer(TX(), comm)
   params = {"w": jnp.arange(4096.0)}
   state = jax.jit(sharded.update)(params, sharded.init(params), params)[1]
   with mnjax.Checkpointer(tmp_path, comm, async_save=False) as ckpt:
     ckpt.save(1, {"opt": state})
     if comm.is_root:
       damage(tmp_path, 1, "flip")
-    with pytest.raises(mnjax.CorruptCheckpointError, match="do not match the digests"):
+    with pytest.raises(mnjax.checkpoint.CorruptCheckpointError, match="do not match the digests"):
       ckpt.restore({"opt": sharded.init(params)})
 
 
@@ -90,7 +90,7 @@ def test_resumes_resharded_on_another_number_of_ranks(comm, tmp_path, order):
   directory = tmp_path
   full = None
   if colour == 0 or first is comm:
-    params, state = train(mnjax.shard_optimizer(first, tx), first, data[:split])
+    params, state = train(mnjax.shard_optimizer(tx, first), first, data[:split])
     full = mnjax.optim.gather_optimizer_state(first, tx, state, params)
     with mnjax.Checkpointer(directory, first, async_save=False) as ckpt:
       ckpt.save(split, {"params": params, "opt": state})
@@ -101,7 +101,7 @@ def test_resumes_resharded_on_another_number_of_ranks(comm, tmp_path, order):
   chained, chained_state = world.bcast((chained, chained_state) if comm.is_root else None, 0)
   world.Barrier()
   if colour == 0 or second is comm:
-    sharded = mnjax.shard_optimizer(second, tx)
+    sharded = mnjax.shard_optimizer(tx, second)
     fresh = init_params()
     with mnjax.Checkpointer(directory, second, async_save=False) as ckpt:
       step, restored, _ = ckpt.restore({"params": fresh, "opt": sharded.init(fresh)})
@@ -125,15 +125,15 @@ def test_resumes_resharded_on_another_number_of_ranks(comm, tmp_path, order):
 
 
 def test_loop_checkpoints_carry_the_sharded_state(comm, tmp_path):
-  sharded = mnjax.shard_optimizer(comm, TX())
+  sharded = mnjax.shard_optimizer(TX(), comm)
   params, state = train(sharded, comm, batches(comm.size, steps=2))
   directory = tmp_path
   zero = {"count": 0}
-  with mnjax.LoopCheckpoints(directory, comm, resume=False) as loop:
+  with mnjax.checkpoint.LoopCheckpoints(directory, comm, resume=False) as loop:
     loop.start({"params": params, "opt": state}, zero)
     loop.save(2, {"params": params, "opt": state}, {"count": 1}, epoch=1, batch=2)
   fresh = init_params()
-  with mnjax.LoopCheckpoints(directory, comm, resume=True) as loop:
+  with mnjax.checkpoint.LoopCheckpoints(directory, comm, resume=True) as loop:
     got, _, epoch, batch = loop.start({"params": fresh, "opt": sharded.init(fresh)}, zero)
   assert (epoch, batch) == (1, 2)
   assert_bitwise(got, {"params": params, "opt": state})
@@ -143,7 +143,7 @@ def test_loop_checkpoints_carry_the_sharded_state(comm, tmp_path):
 
 
 def test_a_template_sharded_for_another_size_is_refused_on_every_rank(comm, tmp_path):
-  sharded = mnjax.shard_optimizer(comm, TX())
+  sharded = mnjax.shard_optimizer(TX(), comm)
   params = init_params()
   state = sharded.init(params)
   ckpt = mnjax.Checkpointer(tmp_path, comm, async_save=False)
@@ -160,7 +160,7 @@ def test_a_state_sharded_over_another_communicator_is_not_saved(comm, tmp_path):
   # Sharded over a size-1 communicator per rank, saved with the job's: each rank would hold
   # a whole state of its own; refused on every rank, nothing written.
   alone = mnjax.create_communicator("flat", comm.mpi_comm.Split(comm.rank, key=0))
-  state = mnjax.shard_optimizer(alone, TX()).init(init_params())
+  state = mnjax.shard_optimizer(TX(), alone).init(init_params())
   directory = tmp_path
   ckpt = mnjax.Checkpointer(directory, comm, async_save=False)
   if comm.size == 1:  # the same sharding: saved

@@ -118,7 +118,7 @@ def persistent_other_shape(comm):
   import numpy as np
 
   import mnjax
-  mnjax.allreduce_persistent({"mean": np.zeros(4 if _last(comm) else 3, np.float32)}, comm)
+  mnjax.nn.allreduce_persistent({"mean": np.zeros(4 if _last(comm) else 3, np.float32)}, comm)
 
 
 @case

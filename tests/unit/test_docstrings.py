@@ -1,4 +1,4 @@
-"""Every docstring example in mnjax and in the lab runs (size-1 communicator), unless marked to skip.
+"""Every docstring example in mnjax and the lab runs (size-1 communicator), unless skipped.
 
 An example that needs what a test cannot have here (a GPU, a dataset on disk, several ranks,
 a launcher, a long run) carries ``# doctest: +SKIP``; everything else runs, with the usual
