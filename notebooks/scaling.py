@@ -302,9 +302,9 @@ for preset in setups:
 # buckets**: the output layer's bucket leaves first and no bucket waits for the whole
 # backward pass (mnjax's default on GPUs without `SyncBatchNorm`; with it, the MPI kinds
 # start after its last backward collective: model that as "none"). **Double buffering**
-# (`allreduce_gradients(comm, double_buffering=True)`): the previous step's gradient travels
-# during this step, one step stale. The buckets are mnjax's own plan for ResNet-50's
-# gradient at the GPU default of 4 MiB (`step.planned_buckets`), and overlapped
+# (`create_multi_node_optimizer(tx, comm, double_buffering=True)`): the previous step's
+# gradient travels during this step, one step stale. The buckets are mnjax's own plan for
+# ResNet-50's gradient at the GPU default of 4 MiB (`step.planned_buckets`), and overlapped
 # communication costs `published.INTERFERENCE` of itself (fitted on Goyal et al. and
 # Horovod).
 

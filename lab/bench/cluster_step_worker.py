@@ -105,7 +105,7 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
     options = dict(VARIANTS[v][0])
     if "wire_dtype" in options:
       options["wire_dtype"] = jax.numpy.dtype(options["wire_dtype"])
-    chains[v] = optax.chain(mnjax.allreduce_gradients(comm, **options), opt)
+    chains[v] = mnjax.create_multi_node_optimizer(opt, comm, **options)
   states, steps = {}, {}
   for v, tx in chains.items():
     step = make_train_step(local if v == "no_communication" and local else comm)

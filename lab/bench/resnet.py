@@ -70,11 +70,11 @@ def _variants(ranks: int, comm: mnjax.Communicator) -> dict:
   allreduce = mnjax.allreduce_gradients(comm)
   if ranks == 1:
     return {"plain": (nn.BatchNorm, sgd), "mnjax": (synced, optax.chain(allreduce, sgd))}
-  double = mnjax.allreduce_gradients(comm, double_buffering=True)
   return {"allreduce": (synced, optax.chain(allreduce, sgd)),
           "allreduce_local_bn": (nn.BatchNorm, optax.chain(allreduce, sgd)),
           # per-rank BN: no other in-step collective, the exchange is free to overlap
-          "double_buffering_local_bn": (nn.BatchNorm, optax.chain(double, sgd)),
+          "double_buffering_local_bn": (nn.BatchNorm, mnjax.create_multi_node_optimizer(
+              sgd, comm, double_buffering=True)),
           "no_communication": (nn.BatchNorm, sgd)}
 
 

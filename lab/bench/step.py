@@ -148,8 +148,8 @@ def communication_efficiency(args) -> dict:
               mnjax.allreduce_gradients(comm, bucket_bytes=64 << 10), optax.adam(1e-3)),
           "allreduce_leaving_early": optax.chain(
               mnjax.allreduce_gradients(comm), optax.adam(1e-3)),
-          "allreduce_double_buffering": optax.chain(
-              mnjax.allreduce_gradients(comm, double_buffering=True), optax.adam(1e-3)),
+          "allreduce_double_buffering": mnjax.create_multi_node_optimizer(
+              optax.adam(1e-3), comm, double_buffering=True),
           "naive_mpi4jax": optax.chain(naive_mpi4jax_allreduce(comm), optax.adam(1e-3)),
           "allreduce_timeline": optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3)),
       },

@@ -13,7 +13,7 @@ shows in the step depends on `overlap`:
   evenly over the backward pass and go out one after another; what is left after the
   backward pass shows;
 * ``"double_buffering"``: step t's gradient travels during step t+1 and the optimizer
-  applies it one step late (ChainerMN v1.2+; ``allreduce_gradients(comm,
+  applies it one step late (ChainerMN v1.2+; ``create_multi_node_optimizer(tx, comm,
   double_buffering=True)``): ``max(compute + interference x hidden, comm)``. In mnjax the
   exchange then reads only the optimizer state (tests/unit/test_overlap.py), except with
   `mnjax.SyncBatchNorm` on the MPI kinds, where it starts after the layer's last backward

@@ -14,12 +14,14 @@ import jax
 import optax
 
 from lab.runner._run_config import RunConfig
-from mnjax.comm._buckets import bucket_bytes_from_mb
-from mnjax.comm._communicator import Communicator
-from mnjax.optim._allreduce import allreduce_gradients
-from mnjax.optim._double_buffered import double_buffered_optimizer
-from mnjax.optim._nonfinite import SkipNonFiniteState, skip_nonfinite
-from mnjax.optim._shard import shard_optimizer
+from mnjax.comm import Communicator, bucket_bytes_from_mb
+from mnjax.optim import (
+  SkipNonFiniteState,
+  allreduce_gradients,
+  create_multi_node_optimizer,
+  shard_optimizer,
+  skip_nonfinite,
+)
 
 __all__ = ["guarded_optimizer", "skipped_steps"]
 
@@ -31,8 +33,8 @@ def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicato
   rank holds the same gradient, so all skip a non-finite step together. With
   ``config.shard_optimizer``: ``skip_nonfinite(shard_optimizer(optimizer, comm, ...),
   on="update")`` (the all-gathered update is the same on every rank). With
-  ``config.double_buffering``: ``double_buffered_optimizer(skip_nonfinite(optimizer), comm,
-  ...)``, ChainerMN's (the optimizer first runs at the second step).
+  ``config.double_buffering``: ``create_multi_node_optimizer(skip_nonfinite(optimizer), comm,
+  double_buffering=True, ...)``, ChainerMN's (the optimizer first runs at the second step).
 
   Example:
     >>> config = RunConfig(epochs=1, global_batch_size=8, workdir="runs/x")
@@ -44,7 +46,8 @@ def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicato
     return skip_nonfinite(sharded, on="update")
   options = dict(wire_dtype=config.wire_dtype, bucket_bytes=bucket_bytes_from_mb(config.bucket_mb))
   if config.double_buffering:
-    return double_buffered_optimizer(skip_nonfinite(optimizer), comm, **options)
+    return create_multi_node_optimizer(skip_nonfinite(optimizer), comm, double_buffering=True,
+                                       **options)
   return optax.chain(allreduce_gradients(comm, **options), skip_nonfinite(optimizer))
 
 

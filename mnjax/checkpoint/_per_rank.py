@@ -14,7 +14,7 @@ and `Checkpointer.save` refuses it on every rank otherwise, before anything is w
   `mnjax.check_replicas`'s digests) and ``meta``, and the ranks compare them (one allgather
   of the digests). The message names the leaves and the fix for what it recognises:
 
-  - a double-buffered pending gradient (`DoubleBufferingState`) not flushed:
+  - a double-buffered pending gradient (`PendingGradient`) not flushed:
     `mnjax.train.flush_pending` (`lab.runner.train_loop` flushes before each save);
   - BatchNorm statistics (a path through ``batch_stats``) of per-replica ``nn.BatchNorm``:
     `mnjax.SyncBatchNorm`, or `mnjax.nn.allreduce_persistent` before saving;
@@ -45,7 +45,7 @@ from mnjax.comm._digest import compare_digests
 from mnjax.comm._host import leaf_paths
 from mnjax.guard._consensus import fingerprints
 from mnjax.optim._accumulation import AccumulationState
-from mnjax.optim._double_buffering import DoubleBufferingState
+from mnjax.optim._double_buffering import PendingGradient
 from mnjax.optim._shard_state import ShardedState
 
 __all__ = ["differences", "mid_cycle"]
@@ -90,15 +90,16 @@ def _comparable(state: Any) -> Any:
 def _fix(paths: list[str], state: Any) -> str:
   """What to do about the differing leaves `paths` of `state`, for the kinds recognised."""
   nodes = jax.tree_util.tree_flatten_with_path(
-      state, is_leaf=lambda x: isinstance(x, (DoubleBufferingState, ShardedState)))[0]
+      state, is_leaf=lambda x: isinstance(x, (PendingGradient, ShardedState)))[0]
   pending = [jax.tree_util.keystr(p) + ".pending" for p, x in nodes
-             if isinstance(x, DoubleBufferingState)]
+             if isinstance(x, PendingGradient)]
   keys = {path for path, leaf in zip(leaf_paths(state), jax.tree.leaves(state)) if is_key(leaf)}
   fixes = []
   if any(p.startswith(tuple(pending)) for p in paths):
     fixes.append(
-        "the double-buffered pending gradient (allreduce_gradients(comm, double_buffering="
-        "True)) is each replica's own until it is flushed, and it was not flushed: call"
+        "the double-buffered pending gradient (create_multi_node_optimizer(tx, comm,"
+        " double_buffering=True)) is each replica's own until it is flushed, and it was not"
+        " flushed: call"
         " opt_state = mnjax.train.flush_pending(opt_state, comm) on every rank before saving,"
         " and train on with that state (lab.runner.train_loop does both)")
   if any("['batch_stats']" in p for p in paths):

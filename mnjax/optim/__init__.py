@@ -1,11 +1,10 @@
 """Layer 2 — optax gradient transformations built on the in-step collectives.
 
-* `allreduce_gradients`: each gradient becomes its mean over every device of every rank;
-  with ``double_buffering=True`` the previous step's (`DoubleBufferingState`).
-* `double_buffered_optimizer`: ChainerMN's double buffering around the actual optimizer,
-  which first runs at the second step (`DoubleBufferedState`).
+* `allreduce_gradients`: each gradient becomes its mean over every device of every rank.
 * `create_multi_node_optimizer`: ChainerMN's wrapper: `tx` on the mean gradient, with `tx`'s
-  own state (a ported script's checkpoints restore unchanged).
+  own state (a ported script's checkpoints restore unchanged); ``double_buffering=True``
+  runs `tx` on the previous step's gradient, first at the second step
+  (`DoubleBufferingState`).
 * `accumulate_gradients`: k micro-batches per update, one exchange per update.
 * `skip_nonfinite`: an update with a NaN/Inf anywhere is skipped by every rank together;
   `raise_if_diverging` ends a run that keeps skipping.
@@ -23,7 +22,6 @@ Example::
 from mnjax.optim import recipes
 from mnjax.optim._accumulation import AccumulationState, accumulate_gradients
 from mnjax.optim._allreduce import allreduce_gradients
-from mnjax.optim._double_buffered import DoubleBufferedState, double_buffered_optimizer
 from mnjax.optim._double_buffering import DoubleBufferingState
 from mnjax.optim._loss_scale import DynamicLossScaleState, dynamic_loss_scale, loss_scale_state
 from mnjax.optim._multi_node import create_multi_node_optimizer
@@ -38,7 +36,6 @@ from mnjax.optim._shard_state import ShardedState, gather_optimizer_state, scatt
 
 __all__ = [
     "AccumulationState",
-    "DoubleBufferedState",
     "DoubleBufferingState",
     "DynamicLossScaleState",
     "ShardedState",
@@ -47,7 +44,6 @@ __all__ = [
     "all_finite",
     "allreduce_gradients",
     "create_multi_node_optimizer",
-    "double_buffered_optimizer",
     "dynamic_loss_scale",
     "gather_optimizer_state",
     "loss_scale_state",

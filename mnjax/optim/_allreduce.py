@@ -23,14 +23,15 @@ gradients ``k`` times per update. `mnjax.accumulate_gradients` runs the chain on
     tx = mnjax.accumulate_gradients(
         optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3)), every_k=k)
 
-Double buffering (``double_buffering=True``, ChainerMN's option): the update applies the
-previous step's reduced gradient while this step's waits in the state, so the exchange
-depends on nothing the step computes (`mnjax.optim._double_buffering`).
+Double buffering (ChainerMN's option) is a wrapper around the actual optimizer, not a link of
+a chain: ``mnjax.create_multi_node_optimizer(tx, comm, double_buffering=True)``. It builds its
+exchange from the same pieces (`gradient_exchange`: the checks, then the reduction).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,15 +43,13 @@ from mnjax.comm import _sequence as sequence
 from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import check_communicator
 from mnjax.guard import _preflight as preflight
-from mnjax.optim import _double_buffering as double_buffering_lib
 
-__all__ = ["allreduce_gradients"]
+__all__ = ["GradientExchange", "allreduce_gradients", "gradient_exchange"]
 
 
 def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
                         bucket_bytes: int | str | None = "auto",
                         preflight_timeout: float = preflight.DEFAULT_TIMEOUT,
-                        double_buffering: bool = False,
                         ) -> optax.GradientTransformation:
   """Averages (or sums) gradients over all replicas: ChainerMN's multi-node optimizer as optax.
 
@@ -76,21 +75,8 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
     preflight_timeout: seconds a rank waits, when the step is first traced, for every
       other rank to reach the same pre-flight check (`mnjax.guard._preflight`); then it raises
       instead of hanging.
-    double_buffering: ChainerMN's ``double_buffering``: the update at step ``t`` is the
-      reduced gradient of step ``t - 1`` and this step's gradient waits, unreduced, in the
-      state (`mnjax.optim._double_buffering`), so the exchange depends only on an input of
-      the step and may overlap its forward and backward pass. Step 0 applies a zero
-      gradient, and the links after it in a chain still run on it (one step ahead of
-      ChainerMN for good: Adam's count, momentum, weight decay); ChainerMN's semantics,
-      where the actual optimizer first runs at the second step, are
-      `mnjax.optim.double_buffered_optimizer`'s. One step stale: keep
-      `mnjax.skip_nonfinite` after it (a NaN is skipped one step later, on every rank);
-      not with float16 loss scaling, whose scale may change between the step that scaled
-      a gradient and the one that unscales it.
-
   Returns:
-    An `optax.GradientTransformation` with `optax.EmptyState`, or with double buffering a
-    `DoubleBufferingState` holding the pending gradient (checkpointed with the rest).
+    An `optax.GradientTransformation` with `optax.EmptyState`.
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
@@ -108,17 +94,54 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
     >>> params, opt_state = step(params, opt_state, jnp.ones((4, 3)))
     >>> [round(w, 3) for w in params["w"].tolist()]     # 1 - 0.1 x the mean gradient, 6
     [0.4, 0.4, 0.4]
-
-    Double buffering: each step applies the previous step's gradient (step 0: zero).
-
-    >>> tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optax.sgd(0.1))
-    >>> params = {"w": jnp.ones(3)}
-    >>> opt_state = tx.init(params)
-    >>> params, opt_state = step(params, opt_state, jnp.ones((4, 3)))
-    >>> params["w"].tolist(), opt_state[0].pending["w"].tolist()   # zero applied, 6 pending
-    ([1.0, 1.0, 1.0], [6.0, 6.0, 6.0])
   """
-  caller = "allreduce_gradients"
+  exchange = gradient_exchange(comm, "allreduce_gradients", mean=mean, wire_dtype=wire_dtype,
+                               bucket_bytes=bucket_bytes, preflight_timeout=preflight_timeout)
+
+  def init_fn(params):
+    exchange.check_params(params)
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    exchange.check(updates, params, state)
+    # A Python float is a float32 under jit (`leaf_dtype`): give it that dtype for the buckets.
+    return exchange.reduce(jax.tree.map(
+        lambda g: jnp.asarray(g) if isinstance(g, (float, complex)) else g, updates)), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+class GradientExchange(NamedTuple):
+  """What a gradient transformation that exchanges gradients is built from.
+
+  Attributes:
+    check_params: ``(params) -> None``: refuses, at ``init``, leaves that cannot be reduced.
+    check: ``(updates, params, state, **more) -> None``: while the step is traced, the
+      gradient's leaves, then the same trees and options on every rank (``more`` adds
+      entries to what the ranks compare), then that the call is traced at all.
+    reduce: ``(tree) -> tree``: the in-step allreduce with the exchange's options.
+    mean: whether `reduce` averages (else sums) over the replicas.
+  """
+
+  check_params: Callable[[Any], None]
+  check: Callable[..., None]
+  reduce: Callable[[Any], Any]
+  mean: bool
+
+
+def gradient_exchange(comm, caller: str, *, mean: bool = True, wire_dtype: Any = None,
+                      bucket_bytes: int | str | None = "auto",
+                      preflight_timeout: float = preflight.DEFAULT_TIMEOUT,
+                      options: dict | None = None) -> GradientExchange:
+  """The checks and the reduction of `allreduce_gradients`, validated now for `caller`.
+
+  `options` are compared across ranks with the exchange's own (e.g. a wrapper's flag).
+
+  Example:
+    >>> exchange = gradient_exchange(comm, "my_wrapper", mean=False)
+    >>> exchange.reduce({"w": jnp.ones(2)})["w"].tolist() == [float(comm.size)] * 2
+    True
+  """
   check_communicator(comm, caller)
   if not isinstance(mean, bool):
     raise TypeError(f"{caller}: mean must be a bool, got {mean!r}.")
@@ -128,60 +151,34 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
   if not isinstance(preflight_timeout, (int, float)) or not preflight_timeout > 0:
     raise ValueError(f"{caller}: preflight_timeout must be a positive number of seconds,"
                      f" got {preflight_timeout!r}.")
-  if not isinstance(double_buffering, bool):
-    raise TypeError(f"{caller}: double_buffering must be a bool, got {double_buffering!r}.")
-  if double_buffering and comm.kind == "xla" and comm.local_device_count > 1:
-    # `mnjax.data_parallel` hands the xla kind's replicated outputs back from the first local
-    # device: the other devices' pending gradients would be dropped every step.
-    raise ValueError(
-        f"{caller}: double_buffering=True with the 'xla' kind needs one device per process,"
-        f" but this process drives {comm.local_device_count}: between steps the xla kind"
-        " keeps its replicated state from the first local device only, so the other"
-        " devices' pending gradients would be lost. Run one process per device, or use"
-        " 'hierarchical' or 'two_dimensional' (XLA's own scheduler already overlaps the xla"
-        " kind's collectives with the backward pass).")
-  options = {"communicator kind": comm.kind, "replicas": comm.num_replicas, "mean": mean,
-             "wire_dtype": str(wire_dtype), "bucket_bytes": bucket_bytes,
-             "double_buffering": double_buffering}
+  compared = {"communicator kind": comm.kind, "replicas": comm.num_replicas, "mean": mean,
+              "wire_dtype": str(wire_dtype), "bucket_bytes": bucket_bytes, **(options or {})}
+
+  def check_params(params):
+    # Parameters and their gradients share dtypes: refuse what cannot be reduced now,
+    # when the optimizer is built, rather than at the first step.
+    bucketing.check_float_leaves(params, caller, real=real)
+
+  def check(updates, params=None, state=None, **more):
+    bucketing.check_float_leaves(updates, caller, real=real)
+    # Runs in Python while the step is traced: once per compilation, not per step.
+    signature = dict(compared, **{"gradient tree": preflight.tree_signature(updates)})
+    if params is not None:
+      signature["parameter tree"] = preflight.tree_signature(params)
+    if sequence.enclosing_options():  # e.g. accumulate_gradients' every_k
+      signature["enclosing transformations"] = sequence.enclosing_options()
+    signature.update(more)
+    preflight.check_same_on_all_ranks(
+        comm, "the gradients to exchange", signature, caller=caller,
+        timeout=preflight_timeout)
+    if comm.num_replicas > 1:  # an eager call: before its exchange, on every rank
+      _check_traced(updates, state, params, comm, caller)
 
   def reduce(tree):
     return collectives.allreduce_tree(
         tree, comm, mean=mean, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
 
-  def init_fn(params):
-    # Parameters and their gradients share dtypes: refuse what cannot be reduced now,
-    # when the optimizer is built, rather than at the first step.
-    bucketing.check_float_leaves(params, caller, real=real)
-    return double_buffering_lib.init_pending(params) if double_buffering else optax.EmptyState()
-
-  def update_fn(updates, state, params=None):
-    bucketing.check_float_leaves(updates, caller, real=real)
-    # Runs in Python while the step is traced: once per compilation, not per step.
-    signature = dict(options, **{"gradient tree": preflight.tree_signature(updates)})
-    if params is not None:
-      signature["parameter tree"] = preflight.tree_signature(params)
-    if sequence.enclosing_options():  # e.g. accumulate_gradients' every_k
-      signature["enclosing transformations"] = sequence.enclosing_options()
-    if double_buffering:  # what travels is the pending tree: the ranks compare it too
-      signature["pending tree"] = (
-          preflight.tree_signature(state.pending)
-          if isinstance(state, double_buffering_lib.DoubleBufferingState)
-          else type(state).__name__)
-    preflight.check_same_on_all_ranks(
-        comm, "the gradients to exchange", signature, caller=caller,
-        timeout=preflight_timeout)
-    if double_buffering:  # after the comparison: every rank raises alike, none waits
-      double_buffering_lib.check_pending(updates, state, caller)
-    if comm.num_replicas > 1:  # an eager call: before its exchange, on every rank
-      _check_traced(updates, state, params, comm, caller)
-    if double_buffering:
-      return double_buffering_lib.double_buffered_update(updates, state, comm, reduce,
-                                                         mean=mean)
-    # A Python float is a float32 under jit (`leaf_dtype`): give it that dtype for the buckets.
-    return reduce(jax.tree.map(
-        lambda g: jnp.asarray(g) if isinstance(g, (float, complex)) else g, updates)), state
-
-  return optax.GradientTransformation(init_fn, update_fn)
+  return GradientExchange(check_params, check, reduce, mean)
 
 
 def _check_traced(updates: Any, state: Any, params: Any, comm, caller: str) -> None:

@@ -1,47 +1,40 @@
-"""ChainerMN's double buffering, as optax state: exchange the previous step's gradient.
+"""ChainerMN's double buffering: the actual optimizer runs on the previous step's gradient.
 
 A plain data-parallel step cannot start its gradient exchange before the backward pass has
 produced the gradients, so the exchange adds to the step time. ChainerMN's
-``double_buffering=True`` applies the *previous* step's reduced gradient instead, and reduces
-this step's gradient while the next step computes (a deep-copied model and a second CUDA
-stream). Here the same schedule is functional JAX: the transformation's state holds this
-rank's gradient of the previous step, unreduced (`DoubleBufferingState.pending`); ``update``
-reduces *that*, returns it as the update and stores the new local gradient. The exchange
-then reads only an input of the step: it depends on nothing the forward and backward pass
-compute, so XLA may run it alongside them (tests/unit/test_overlap.py checks this in the
-compiled step).
+``create_multi_node_optimizer(actual_optimizer, comm, double_buffering=True)`` applies the
+*previous* step's reduced gradient instead and reduces this step's gradient while the next
+step computes; its actual optimizer first runs at the second step (its ``t`` is 0 after step
+1). `double_buffered_optimizer` is that wrapper for optax, reached through
+`mnjax.create_multi_node_optimizer`. Its state (`DoubleBufferingState`) holds:
+
+* ``exchange``: this rank's gradient of the previous step, unreduced (`PendingGradient`).
+  ``update`` reduces *that* and stores the new local gradient, so the exchange reads only an
+  input of the step: it depends on nothing the forward and backward pass compute, and XLA
+  may run it alongside them (tests/unit/test_overlap.py checks this in the compiled step);
+* ``started``: False until the first step has stored a gradient; the first step keeps the
+  actual optimizer's state and returns a zero update (a select, which XLA fuses into the
+  update, rather than a ``lax.cond``);
+* ``inner_state``: the actual optimizer's state, so a state saved without double buffering
+  restores into that field.
 
 Checkpoints: the pending gradient is this rank's (and, for the multi-device kinds, each local
 device's) own, while `mnjax.Checkpointer` saves rank 0's state and broadcasts it on restore.
-(Under `mnjax.data_parallel` the optimizer state is declared replicated, so each device's own
-pending gradient lives in the shard of an array whose shards differ: it stays on the devices
-from step to step, but a host read of it sees device 0's.)
 `mnjax.train.flush_pending` (collective, between steps) replaces it by its global sum, the
-same on every rank and device, marked as reduced (`Checkpointer.save` refuses, on every
-rank, a pending gradient that differs between replicas, i.e. one not flushed): the next
-step applies it instead of its exchange's result. `lab.runner.train_loop` flushes before
-every checkpoint and trains on with the flushed state, so a run resumed from that checkpoint
-is bitwise the uninterrupted one.
+same on every rank and device, marked as reduced (`Checkpointer.save` refuses a pending
+gradient that differs between replicas): the next step applies it instead of its exchange's
+result, so a run resumed from that checkpoint is bitwise the uninterrupted one.
 
-What changes for the optimizer: the update at step ``t`` is the global gradient of step
-``t - 1`` (one step stale, as in ChainerMN); step 0 reduces the zero-initialised state and
-passes a zero gradient down the chain. ChainerMN's actual optimizer does not run at its first
-step at all (its ``t`` is 0 after step 1); in an ``optax.chain`` the later links cannot be kept
-from running, so there they run at step 0 on the zero gradient and stay one step ahead
-(Adam's count and bias correction, schedules; weight decay applies once more).
-`mnjax.optim.double_buffered_optimizer(tx, comm)` wraps `tx` and keeps its state at step 0,
-as ChainerMN does (`mnjax.optim._double_buffered`). A NaN or Inf in a rank's gradient reaches the
-update one step later, in the reduced sum that every rank holds alike, so `skip_nonfinite`
-after the exchange still skips on every rank together; the bad gradient is then gone from
-the state (the next step stores a new one).
+One step stale: a NaN or Inf in a rank's gradient reaches the update one step later, in the
+reduced sum every rank holds alike, so `mnjax.skip_nonfinite` inside the wrapper still skips
+on every rank together. Not with float16 loss scaling, whose scale may change between the
+step that scaled a gradient and the one that unscales it.
 
-Ordering with other in-step collectives: `mnjax.SyncBatchNorm`'s MPI collectives run inside
-the forward and backward pass, and every rank must issue them and the exchange in one order
-(XLA:CPU runs independent custom calls concurrently). The exchange is an `allreduce_tree`,
-so it joins the step's order chain (`mnjax.comm._sequence.ORDER`): with SyncBatchNorm it
-starts after the layer's last backward collective (near the end of the backward pass), and
-without it (per-replica BatchNorm) it depends on nothing the step computes and may overlap
-all of it.
+Ordering with other in-step collectives: `mnjax.SyncBatchNorm`'s collectives run inside the
+forward and backward pass, and every rank must issue them and the exchange in one order. The
+exchange is an `mnjax.comm.allreduce_tree`, so it joins the step's order chain: with
+SyncBatchNorm it starts after the layer's last backward collective, without it it depends on
+nothing the step computes.
 """
 
 from __future__ import annotations
@@ -51,15 +44,21 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from mnjax.comm import _buckets as bucketing
 from mnjax.comm._communicator import Communicator
+from mnjax.guard import _preflight as preflight
+from mnjax.optim._allreduce import gradient_exchange
 
-__all__ = ["DoubleBufferingState", "check_pending", "double_buffered_update", "init_pending"]
+__all__ = ["DoubleBufferingState", "PendingGradient", "check_pending", "double_buffered_optimizer",
+           "double_buffered_update", "init_pending"]
+
+_CALLER = "create_multi_node_optimizer"
 
 
-class DoubleBufferingState(NamedTuple):
-  """State of ``allreduce_gradients(comm, double_buffering=True)``.
+class PendingGradient(NamedTuple):
+  """The exchange's half of `DoubleBufferingState`: the gradient that waits for its exchange.
 
   Attributes:
     pending: this rank's gradient of the previous step, not yet reduced (zeros before the
@@ -72,20 +71,20 @@ class DoubleBufferingState(NamedTuple):
   reduced: jax.Array
 
 
-def init_pending(params: Any) -> DoubleBufferingState:
+def init_pending(params: Any) -> PendingGradient:
   """A zero pending gradient shaped like `params` (what step 0 reduces and applies).
 
   Example:
     >>> init_pending({"w": jnp.ones(2)}).pending
     {'w': Array([0., 0.], dtype=float32)}
   """
-  return DoubleBufferingState(jax.tree.map(
+  return PendingGradient(jax.tree.map(
       lambda p: jnp.zeros(jnp.shape(p), bucketing.leaf_dtype(p)), params),
       jnp.zeros((), jnp.bool_))
 
 
 def check_pending(updates: Any, state: Any, caller: str) -> None:
-  """Raises unless `state` is a `DoubleBufferingState` whose pending tree has the tree,
+  """Raises unless `state` is a `PendingGradient` whose pending tree has the tree,
   shapes and dtypes of `updates` (runs while the step is traced).
 
   Example:
@@ -93,12 +92,12 @@ def check_pending(updates: Any, state: Any, caller: str) -> None:
     Traceback (most recent call last):
     ValueError: my_fn: leaf ['w'] is float32[3] in the gradient but float32[2] ...
   """
-  if not isinstance(state, DoubleBufferingState):
+  if not isinstance(state, PendingGradient):
     raise TypeError(
-        f"{caller}: with double_buffering=True the state must be a DoubleBufferingState (from"
-        f" this transformation's init), got {type(state).__name__}. Build the optimizer state"
-        " with tx.init(params) of the same optax chain; a checkpoint written without double"
-        " buffering cannot be resumed with it.")
+        f"{caller}: with double_buffering=True the exchange's state must be a PendingGradient"
+        f" (from this transformation's init), got {type(state).__name__}. Build the optimizer"
+        " state with tx.init(params) of the same transformation; a checkpoint written without"
+        " double buffering cannot be resumed with it.")
   grads, _ = jax.tree_util.tree_flatten_with_path(updates)
   pending = jax.tree_util.tree_flatten_with_path(state.pending)[0]
   if jax.tree.structure(updates) != jax.tree.structure(state.pending):
@@ -119,11 +118,11 @@ def check_pending(updates: Any, state: Any, caller: str) -> None:
           " dtypes; initialise the state with the parameters being trained.")
 
 
-def double_buffered_update(updates: Any, state: DoubleBufferingState, comm: Communicator,
+def double_buffered_update(updates: Any, state: PendingGradient, comm: Communicator,
                            reduce: Callable[[Any], Any], *, mean: bool = True
-                           ) -> tuple[Any, DoubleBufferingState]:
-  """``(reduce(state.pending), DoubleBufferingState(updates))``: the update of
-  ``allreduce_gradients(comm, double_buffering=True)`` once its checks have run. A flushed
+                           ) -> tuple[Any, PendingGradient]:
+  """``(reduce(state.pending), PendingGradient(updates))``: the double-buffered exchange,
+  once its checks have run. A flushed
   pending sum (`mnjax.train.flush_pending`) is applied as it is (divided by the replicas for
   `mean`).
 
@@ -142,4 +141,92 @@ def double_buffered_update(updates: Any, state: DoubleBufferingState, comm: Comm
 
   out = jax.tree.map(applied, exchanged, state.pending)
   stored = jax.tree.map(lambda g, p: jnp.asarray(g, p.dtype), updates, state.pending)
-  return out, DoubleBufferingState(stored, jnp.zeros((), jnp.bool_))
+  return out, PendingGradient(stored, jnp.zeros((), jnp.bool_))
+
+
+class DoubleBufferingState(NamedTuple):
+  """State of ``create_multi_node_optimizer(tx, comm, double_buffering=True)``.
+
+  Attributes:
+    exchange: the pending gradient (`PendingGradient`).
+    started: a bool scalar, False until the first step has stored a gradient: while it
+      is False the step keeps `inner_state` and returns a zero update.
+    inner_state: the actual optimizer's state (untouched by the first step).
+  """
+
+  exchange: PendingGradient
+  started: jax.Array
+  inner_state: Any
+
+
+def double_buffered_optimizer(tx: optax.GradientTransformation, comm: Communicator,
+                              **allreduce_options: Any) -> optax.GradientTransformationExtraArgs:
+  """`tx` applied to the previous step's mean gradient, first at the second step.
+
+  Built by ``mnjax.create_multi_node_optimizer(tx, comm, double_buffering=True)``, which
+  checks `tx` and `comm` first. Step ``t >= 1`` runs `tx` on the global mean gradient of
+  step ``t - 1``, exchanged while step ``t`` computes; step 0 only stores its gradient,
+  leaves `tx`'s state untouched and returns a zero update. Before a checkpoint, call
+  `mnjax.train.flush_pending` on the state.
+
+  Args:
+    tx: the actual optimizer (extra ``update`` arguments are passed on to it).
+    comm: the `Communicator`.
+    **allreduce_options: keywords of `mnjax.allreduce_gradients` (``mean``, ``wire_dtype``,
+      ``bucket_bytes``, ``preflight_timeout``), checked now.
+
+  Example:
+    >>> tx = mnjax.create_multi_node_optimizer(optax.adam(0.1), comm, double_buffering=True)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> update = jax.jit(tx.update)
+    >>> updates, state = update({"w": jnp.ones(2)}, state, params)     # stores, applies 0
+    >>> updates["w"].tolist(), int(state.inner_state[0].count)
+    ([0.0, 0.0], 0)
+    >>> updates, state = update({"w": jnp.ones(2)}, state, params)     # Adam's first step
+    >>> [round(u, 3) for u in updates["w"].tolist()], int(state.inner_state[0].count)
+    ([-0.1, -0.1], 1)
+  """
+  exchange = gradient_exchange(comm, _CALLER, options={"double_buffering": True},
+                               **allreduce_options)
+  if comm.kind == "xla" and comm.local_device_count > 1:
+    # `mnjax.data_parallel` hands the xla kind's replicated outputs back from the first local
+    # device: the other devices' pending gradients would be dropped every step.
+    raise ValueError(
+        f"{_CALLER}: double_buffering=True with the 'xla' kind needs one device per process,"
+        f" but this process drives {comm.local_device_count}: between steps the xla kind"
+        " keeps its replicated state from the first local device only, so the other"
+        " devices' pending gradients would be lost. Run one process per device, or use"
+        " 'hierarchical' or 'two_dimensional' (XLA's own scheduler already overlaps the xla"
+        " kind's collectives with the backward pass).")
+  inner = optax.with_extra_args_support(tx)
+
+  def init_fn(params):
+    exchange.check_params(params)
+    return DoubleBufferingState(init_pending(params), jnp.zeros((), jnp.bool_),
+                                inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if not isinstance(state, DoubleBufferingState):
+      raise TypeError(
+          f"{_CALLER}: with double_buffering=True the state must be a DoubleBufferingState"
+          f" (from this transformation's init), got {type(state).__name__}. Build it with"
+          " tx.init(params) of the same transformation; a state saved by tx alone holds no"
+          " pending gradient and no first-step flag: restore it into the state's inner_state"
+          " (docs/api.md, create_multi_node_optimizer).")
+    pending = state.exchange
+    # What travels is the pending tree: the ranks compare it too.
+    exchange.check(updates, params, pending, **{"pending tree": (
+        preflight.tree_signature(pending.pending) if isinstance(pending, PendingGradient)
+        else type(pending).__name__)})
+    check_pending(updates, pending, _CALLER)  # after the comparison: every rank raises alike
+    previous, exchanged = double_buffered_update(updates, pending, comm, exchange.reduce,
+                                                 mean=exchange.mean)
+    new_updates, inner_state = inner.update(previous, state.inner_state, params, **extra_args)
+    started = state.started
+    new_updates = jax.tree.map(lambda u: jnp.where(started, u, jnp.zeros_like(u)), new_updates)
+    inner_state = jax.tree.map(lambda new, old: jnp.where(started, new, old), inner_state,
+                               state.inner_state)
+    return new_updates, DoubleBufferingState(exchanged, jnp.ones((), jnp.bool_), inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -14,10 +14,10 @@ state *is* `tx`'s, leaf for leaf), its ``update`` exchanges the gradients exactl
 `allreduce_gradients` does (the same buckets, wire dtype and trace-time checks across
 ranks) and hands the mean to ``tx.update``. An old checkpoint therefore restores unchanged.
 
-With ``double_buffering=True`` it is `mnjax.optim.double_buffered_optimizer` (ChainerMN's
-``create_multi_node_optimizer(..., double_buffering=True)``: the actual optimizer first runs
-at the second step); its state then holds the pending gradient beside `tx`'s
-(``DoubleBufferedState.inner_state``), so an old state restores into that field.
+With ``double_buffering=True`` it is ChainerMN's double buffering (the actual optimizer first
+runs at the second step, on the first step's gradient: `mnjax.optim._double_buffering`); its
+state then holds the pending gradient beside `tx`'s (``DoubleBufferingState.inner_state``), so
+an old state restores into that field.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import optax
 
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.optim._allreduce import allreduce_gradients
-from mnjax.optim._double_buffered import double_buffered_optimizer
+from mnjax.optim._double_buffering import double_buffered_optimizer
 
 __all__ = ["create_multi_node_optimizer"]
 
@@ -53,14 +53,16 @@ def create_multi_node_optimizer(actual_optimizer: optax.GradientTransformation, 
       arguments of its ``update`` (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau``)
       are passed on.
     comm: the `Communicator`.
-    double_buffering: ChainerMN's double buffering: `double_buffered_optimizer`, whose
-      state is a `DoubleBufferedState` (`actual_optimizer`'s state is its ``inner_state``).
+    double_buffering: ChainerMN's double buffering: `actual_optimizer` runs on the previous
+      step's mean gradient, first at the second step, while this step's gradient is
+      exchanged beside the next step's compute; the state is a `DoubleBufferingState`
+      (`actual_optimizer`'s state is its ``inner_state``).
     **allreduce_options: any keyword of `allreduce_gradients` (``mean``, ``wire_dtype``,
       ``bucket_bytes``, ``preflight_timeout``), checked now.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is `actual_optimizer`'s (with
-    double buffering, a `DoubleBufferedState` around it).
+    double buffering, a `DoubleBufferingState` around it).
 
   Example:
     >>> tx = optax.sgd(optax.linear_schedule(0.1, 0.01, 100), momentum=0.9)

@@ -1,6 +1,6 @@
 """Double buffering's pending gradients, made whole before a checkpoint (`flush_pending`).
 
-With ``mnjax.allreduce_gradients(comm, double_buffering=True)`` the optimizer state holds
+With ``mnjax.create_multi_node_optimizer(tx, comm, double_buffering=True)`` the state holds
 each rank's (and each local device's) own, unreduced gradient of the last step, while
 `mnjax.Checkpointer` saves rank 0's state and broadcasts it on restore (and refuses, on every
 rank, to save pending gradients that differ between replicas). `flush_pending`
@@ -20,18 +20,18 @@ import jax.numpy as jnp
 
 from mnjax.comm import _collectives as collectives
 from mnjax.comm._communicator import Communicator
-from mnjax.optim._double_buffering import DoubleBufferingState
+from mnjax.optim._double_buffering import PendingGradient
 from mnjax.train._parallel import data_parallel
 
 __all__ = ["flush_pending"]
 
 
 def _is_state(x: Any) -> bool:
-  return isinstance(x, DoubleBufferingState)
+  return isinstance(x, PendingGradient)
 
 
 def flush_pending(opt_state: Any, comm: Communicator) -> Any:
-  """`opt_state` with every `DoubleBufferingState`'s pending gradient replaced by its sum over
+  """`opt_state` with every double-buffered pending gradient replaced by its sum over
   all replicas (marked ``reduced``): the same on every rank and device, so that
   `mnjax.Checkpointer` (rank 0 writes; restore broadcasts) keeps it whole.
 
@@ -42,20 +42,22 @@ def flush_pending(opt_state: Any, comm: Communicator) -> Any:
   exchange on its own buckets: within rounding of what the step would have exchanged.)
 
   Example:
-    >>> tx = mnjax.allreduce_gradients(comm, double_buffering=True)
-    >>> _, state = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
-    >>> flushed = mnjax.train.flush_pending(state, comm)
+    >>> tx = mnjax.create_multi_node_optimizer(optax.sgd(0.1), comm, double_buffering=True)
+    >>> params = {"w": jnp.ones(2)}
+    >>> _, state = jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init(params), params)
+    >>> flushed = mnjax.train.flush_pending(state, comm).exchange
     >>> bool(flushed.reduced), flushed.pending["w"].tolist() == [comm.size * 1.0] * 2
     (True, True)
   """
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(s)]
   if not found:
-    raise ValueError("flush_pending: opt_state holds no DoubleBufferingState; build the"
-                     " optimizer with mnjax.optim.double_buffered_optimizer(tx, comm) or"
-                     " mnjax.allreduce_gradients(comm, double_buffering=True).")
+    raise ValueError("flush_pending: opt_state holds no double-buffered pending gradient, so"
+                     " there is nothing to flush (only a state of"
+                     " mnjax.create_multi_node_optimizer(tx, comm, double_buffering=True) has"
+                     " one); call it only on such a state.")
   summed = iter(_summing(comm)([(s.pending, s.reduced) for s in found]))
   flag = jnp.ones((), jnp.bool_)
-  return jax.tree.map(lambda s: DoubleBufferingState(next(summed), flag) if _is_state(s) else s,
+  return jax.tree.map(lambda s: PendingGradient(next(summed), flag) if _is_state(s) else s,
                       opt_state, is_leaf=_is_state)
 
 

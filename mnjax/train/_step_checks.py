@@ -20,7 +20,7 @@ import jax
 from mnjax.comm._communicator import Communicator
 from mnjax.guard import _program as program
 from mnjax.optim._accumulation import AccumulationState
-from mnjax.optim._double_buffering import DoubleBufferingState
+from mnjax.optim._double_buffering import PendingGradient
 from mnjax.train import _replicated as replicated
 
 __all__ = ["arg_paths", "check_local_collectives", "check_replicated_outputs", "process_local",
@@ -91,7 +91,7 @@ def check_local_collectives(closed: Any, comm: Communicator) -> None:
 
 #: State that keeps each device's own values by design (double buffering's pending gradient,
 #: accumulation's partial sums): not refused as varying outputs (see their own checks).
-_PER_DEVICE_STATE = (DoubleBufferingState, AccumulationState)
+_PER_DEVICE_STATE = (PendingGradient, AccumulationState)
 
 
 def check_replicated_outputs(closed: Any, args: tuple, shapes: Any, comm: Communicator,

@@ -58,9 +58,9 @@ def compiled(target, kind, tx_of, *, rank=0, batch=8, options=None):
   return aot.schedule(c.text, aot.parameter_outputs(step, args)), c, args[0]
 
 
-def allreduce(comm, **options):
-  return optax.chain(mnjax.allreduce_gradients(comm, bucket_bytes=4096, **options),
-                     optax.sgd(0.1, momentum=0.9))
+def allreduce(comm, *, double_buffering=False):
+  return mnjax.create_multi_node_optimizer(optax.sgd(0.1, momentum=0.9), comm,
+                                           double_buffering=double_buffering, bucket_bytes=4096)
 
 
 def test_targets_make_a_topology_of_processes(target):

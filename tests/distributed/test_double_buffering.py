@@ -1,4 +1,4 @@
-"""allreduce_gradients(double_buffering=True): step t applies the global gradient of step t - 1.
+"""create_multi_node_optimizer(double_buffering=True): step t applies step t - 1's gradient.
 
 Compared with a single-process reference on the concatenated global batch (to 1e-5 after 10
 steps), for ``flat``, ``two_dimensional`` and ``hierarchical`` (1 x 2 here, 2 x 2 and 3 x 2
@@ -115,20 +115,21 @@ def test_each_step_applies_the_previous_global_gradient(kind, wire_dtype, bucket
                                                         tolerance):
   kc = communicator(kind)
   optimizer = optax.sgd(0.1, momentum=0.9)
-  tx = optax.chain(mnjax.allreduce_gradients(kc, double_buffering=True, wire_dtype=wire_dtype,
-                                             bucket_bytes=bucket_bytes), optimizer)
+  tx = mnjax.create_multi_node_optimizer(optimizer, kc, double_buffering=True,
+                                         wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
   x, y = global_batches(kc.num_replicas)
   params, opt_state = run(kc, tx, x, y)
   want = reference(optimizer, x, y)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance)
-  assert_replicas_identical(kc, (params, opt_state[1]))
+  assert_replicas_identical(kc, (params, opt_state.inner_state))
   # What waits is each replica's own last gradient; flushed, their sum, the same everywhere.
   flushed = mnjax.train.flush_pending(opt_state, kc)
-  assert bool(flushed[0].reduced) and jax.tree.structure(flushed) == jax.tree.structure(opt_state)
+  assert bool(flushed.exchange.reduced)
+  assert jax.tree.structure(flushed) == jax.tree.structure(opt_state)
   assert_replicas_identical(kc, flushed)
   last = jax.grad(loss)(params_before_last(kc, tx, x, y), x[-1], y[-1])  # the global mean
-  for a, b in zip(jax.tree.leaves(flushed[0].pending), jax.tree.leaves(last)):
+  for a, b in zip(jax.tree.leaves(flushed.exchange.pending), jax.tree.leaves(last)):
     np.testing.assert_allclose(a / kc.num_replicas, b, rtol=tolerance, atol=tolerance)
 
 
@@ -167,7 +168,8 @@ def chainermn_adamw(x, y, *, lr, weight_decay, b1=0.9, b2=0.999, eps=1e-8):
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_the_optimizer_first_runs_at_the_second_step_as_in_chainermn(kind, weight_decay):
   kc = communicator(kind)
-  tx = mnjax.optim.double_buffered_optimizer(optax.adamw(1e-2, weight_decay=weight_decay), kc)
+  tx = mnjax.create_multi_node_optimizer(optax.adamw(1e-2, weight_decay=weight_decay), kc,
+                                         double_buffering=True)
   x, y = global_batches(kc.num_replicas, steps=6)
   step = make_step(kc, tx)
   params, state = init_params(), tx.init(init_params())
@@ -187,19 +189,9 @@ def test_the_optimizer_first_runs_at_the_second_step_as_in_chainermn(kind, weigh
   assert_replicas_identical(kc, (params, state.inner_state))
 
 
-def test_in_a_plain_chain_the_optimizer_also_runs_at_step_0(comm):
-  """The contrast (and why the wrapper exists): an optax.chain cannot keep its later links
-  from running, so Adam's count is one ahead of ChainerMN's and the parameters differ."""
-  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optax.adam(1e-2))
-  x, y = global_batches(comm.num_replicas, steps=6)
-  params, state = run(comm, tx, x, y)
-  assert int(state[1][0].count) == 6
-  assert not np.allclose(params["w"], chainermn_adamw(x, y, lr=1e-2, weight_decay=0.0)[0]["w"],
-                         atol=1e-3)
-
-
 def test_the_double_buffered_optimizer_resumes_bit_for_bit(comm, tmp_path):
-  tx = mnjax.optim.double_buffered_optimizer(mnjax.skip_nonfinite(optax.adam(1e-2)), comm)
+  tx = mnjax.create_multi_node_optimizer(mnjax.skip_nonfinite(optax.adam(1e-2)), comm,
+                                         double_buffering=True)
   x, y = global_batches(comm.num_replicas, steps=4)
   step = make_step(comm, tx)
 
@@ -215,7 +207,7 @@ def test_the_double_buffered_optimizer_resumes_bit_for_bit(comm, tmp_path):
   with mnjax.Checkpointer(tmp_path / "ckpt", comm, async_save=False) as ckpt:
     ckpt.save(1, state)
     _, restored, _ = ckpt.restore(fresh)
-  assert isinstance(restored["opt"], mnjax.optim.DoubleBufferedState)
+  assert isinstance(restored["opt"], mnjax.optim.DoubleBufferingState)
   assert bool(restored["opt"].started) and not bool(fresh["opt"].started)
   resumed, uninterrupted = advance(restored, range(1, 4)), advance(state, range(1, 4))
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted)):
@@ -226,7 +218,8 @@ def test_the_double_buffered_optimizer_resumes_bit_for_bit(comm, tmp_path):
 def test_inside_accumulate_gradients_the_first_cycle_only_stores(comm):
   k = 2
   tx = mnjax.accumulate_gradients(
-      mnjax.optim.double_buffered_optimizer(optax.adam(1e-2), comm), every_k=k)
+      mnjax.create_multi_node_optimizer(optax.adam(1e-2), comm, double_buffering=True),
+      every_k=k)
   x, y = global_batches(comm.num_replicas, steps=3 * k)
   _, state = run(comm, tx, x[:k], y[:k])
   assert int(state.inner_state.inner_state[0].count) == 0 and bool(state.inner_state.started)
@@ -234,25 +227,36 @@ def test_inside_accumulate_gradients_the_first_cycle_only_stores(comm):
   assert int(state.inner_state.inner_state[0].count) == 2
 
 
-def test_the_double_buffered_optimizer_refuses_what_it_cannot_do(comm):
+def test_bad_arguments_and_states_are_refused(comm):
+  double = functools.partial(mnjax.create_multi_node_optimizer, double_buffering=True)
   with pytest.raises(TypeError, match=r"arguments look swapped"):
-    mnjax.optim.double_buffered_optimizer(comm, optax.adam(1e-2))
+    double(comm, optax.adam(1e-2))
   with pytest.raises(TypeError, match=r"GradientTransformation"):
-    mnjax.optim.double_buffered_optimizer("adam", comm)
-  with pytest.raises(TypeError, match=r"always double-buffered"):
-    mnjax.optim.double_buffered_optimizer(optax.adam(1e-2), comm, double_buffering=False)
+    double("adam", comm)
+  with pytest.raises(TypeError, match=r"double_buffering must be a bool"):
+    mnjax.create_multi_node_optimizer(optax.adam(1e-2), comm, double_buffering=1)
   with pytest.raises(ValueError, match=r"wire_dtype must be"):
-    mnjax.optim.double_buffered_optimizer(optax.adam(1e-2), comm, wire_dtype=jnp.int8)
-  tx = mnjax.optim.double_buffered_optimizer(optax.adam(1e-2), comm)
+    double(optax.adam(1e-2), comm, wire_dtype=jnp.int8)
+  # The chain form has no double buffering: one way, ChainerMN's.
+  with pytest.raises(TypeError, match=r"double_buffering"):
+    mnjax.allreduce_gradients(comm, double_buffering=True)
+  # The xla kind keeps replicated state from its first local device between steps.
+  xla = dataclasses.replace(comm, kind="xla", local_device_count=2)
+  with pytest.raises(ValueError, match="'xla' kind needs one device per process"):
+    double(optax.sgd(0.1), xla)
+  tx = double(optax.adam(1e-2), comm)
   grads = {"w": jnp.ones(3)}
-  with pytest.raises(TypeError, match=r"must be a DoubleBufferedState"):
+  with pytest.raises(TypeError, match=r"must be a DoubleBufferingState"):
     tx.update(grads, optax.adam(1e-2).init(grads), grads)
+  with pytest.raises(ValueError, match=r"leaf \['w'\] is float32\[3\] in the gradient but"
+                                       r" float32\[2\]"):
+    tx.update(grads, tx.init({"w": jnp.ones(2)}), None)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_bad_gradient_on_the_last_rank_is_skipped_one_step_later_on_every_rank(comm, bad):
-  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True),
-                   mnjax.skip_nonfinite(optax.sgd(0.1, momentum=0.9)))
+  tx = mnjax.create_multi_node_optimizer(mnjax.skip_nonfinite(optax.sgd(0.1, momentum=0.9)),
+                                         comm, double_buffering=True)
   x, y = global_batches(comm.num_replicas, steps=6)
   poisoned = 3
   scales = [bad if t == poisoned and comm.rank == comm.size - 1 else 1.0 for t in range(6)]
@@ -262,7 +266,8 @@ def test_a_bad_gradient_on_the_last_rank_is_skipped_one_step_later_on_every_rank
   for t in range(6):
     params, opt_state = step(params, opt_state, mine(comm, x[t]), mine(comm, y[t]),
                              jnp.float32(scales[t]))
-    history.append((params, int(opt_state[1].skipped), int(opt_state[1].consecutive)))
+    skips = opt_state.inner_state
+    history.append((params, int(skips.skipped), int(skips.consecutive)))
   # Step 3 applies step 2's finite gradient; step 4 applies step 3's: skipped by every rank.
   assert [h[1:] for h in history] == [(0, 0)] * 4 + [(1, 1), (1, 0)]
   for a, b in zip(jax.tree.leaves(history[4][0]), jax.tree.leaves(history[3][0])):
@@ -271,25 +276,25 @@ def test_a_bad_gradient_on_the_last_rank_is_skipped_one_step_later_on_every_rank
   want = reference(optax.sgd(0.1, momentum=0.9), x, y, skip=(poisoned,))
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-  assert_replicas_identical(comm, (params, opt_state[1]))
+  assert_replicas_identical(comm, (params, opt_state.inner_state))
 
 
 def test_inside_accumulate_gradients_each_cycle_applies_the_previous_cycle(comm):
   k = 3
   optimizer = optax.sgd(0.1, momentum=0.9)
   tx = mnjax.accumulate_gradients(
-      optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optimizer), every_k=k)
+      mnjax.create_multi_node_optimizer(optimizer, comm, double_buffering=True), every_k=k)
   x, y = global_batches(comm.num_replicas, steps=4 * k)
   params, opt_state = run(comm, tx, x, y)
   want = reference(optimizer, x, y, every_k=k)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-  assert_replicas_identical(comm, (params, opt_state.inner_state[1]))
+  assert_replicas_identical(comm, (params, opt_state.inner_state.inner_state))
 
 
 def test_the_pending_gradient_survives_a_checkpoint_bit_for_bit(comm, tmp_path):
-  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True),
-                   mnjax.skip_nonfinite(optax.adam(1e-2)))
+  tx = mnjax.create_multi_node_optimizer(mnjax.skip_nonfinite(optax.adam(1e-2)), comm,
+                                         double_buffering=True)
   x, y = global_batches(comm.num_replicas, steps=6)
   step = make_step(comm, tx)
   state = {"params": init_params(), "opt": tx.init(init_params())}
@@ -301,7 +306,7 @@ def test_the_pending_gradient_survives_a_checkpoint_bit_for_bit(comm, tmp_path):
     return {"params": params, "opt": opt}
 
   state = advance(state, range(3))
-  assert float(jnp.abs(state["opt"][0].pending["w"]).sum()) > 0  # a real gradient waits
+  assert float(jnp.abs(state["opt"].exchange.pending["w"]).sum()) > 0  # a real gradient waits
   # Each rank's own gradient waits: flushed (summed), rank 0's state is everyone's.
   state = {"params": state["params"], "opt": mnjax.train.flush_pending(state["opt"], comm)}
   assert_replicas_identical(comm, state)
@@ -314,14 +319,14 @@ def test_the_pending_gradient_survives_a_checkpoint_bit_for_bit(comm, tmp_path):
     with pytest.raises(CheckpointTemplateError):
       ckpt.restore({"params": init_params(), "opt": plain.init(init_params())})
   assert restored_step == 3
-  assert isinstance(restored["opt"][0], mnjax.optim.DoubleBufferingState)
+  assert isinstance(restored["opt"], mnjax.optim.DoubleBufferingState)
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     np.testing.assert_array_equal(a, b)
   # Continuing from the restored state is bitwise the uninterrupted run.
   resumed, uninterrupted = advance(restored, range(3, 6)), advance(state, range(3, 6))
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted)):
     np.testing.assert_array_equal(a, b)
-  assert_replicas_identical(comm, (resumed["params"], resumed["opt"][1]))
+  assert_replicas_identical(comm, (resumed["params"], resumed["opt"].inner_state))
 
 
 def test_a_step_with_sync_batch_norm_runs_in_one_order_on_every_rank(comm):
@@ -337,7 +342,7 @@ def test_a_step_with_sync_batch_norm_runs_in_one_order_on_every_rank(comm):
 
   net = Net()
   variables = net.init(jax.random.key(0), jnp.ones((PER_REPLICA, DIM)))
-  tx = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optax.sgd(0.1))
+  tx = mnjax.create_multi_node_optimizer(optax.sgd(0.1), comm, double_buffering=True)
 
   def step(params, stats, opt_state, x, y):
     def objective(p):
@@ -354,23 +359,7 @@ def test_a_step_with_sync_batch_norm_runs_in_one_order_on_every_rank(comm):
   for t in range(3):
     params, stats, opt_state = run_step(params, stats, opt_state, mine(comm, x[t]),
                                         mine(comm, y[t]))
-  assert_replicas_identical(comm, (params, stats, opt_state[1]))
-
-
-def test_bad_arguments_and_states_are_refused(comm):
-  with pytest.raises(TypeError, match="double_buffering must be a bool"):
-    mnjax.allreduce_gradients(comm, double_buffering=1)
-  # The xla kind keeps replicated state from its first local device between steps.
-  xla = dataclasses.replace(comm, kind="xla", local_device_count=2)
-  with pytest.raises(ValueError, match="'xla' kind needs one device per process"):
-    mnjax.allreduce_gradients(xla, double_buffering=True)
-  tx = mnjax.allreduce_gradients(comm, double_buffering=True)
-  grads = {"w": jnp.ones(3)}
-  with pytest.raises(TypeError, match="must be a DoubleBufferingState"):
-    tx.update(grads, optax.EmptyState(), grads)
-  with pytest.raises(ValueError, match=r"leaf \['w'\] is float32\[3\] in the gradient but"
-                                       r" float32\[2\]"):
-    tx.update(grads, tx.init({"w": jnp.ones(2)}), None)
+  assert_replicas_identical(comm, (params, stats, opt_state.inner_state))
 
 
 @pytest.mark.parametrize("kind", ["flat", "hierarchical"])
@@ -381,7 +370,7 @@ def test_an_unflushed_pending_gradient_is_refused_on_every_rank(kind, tmp_path):
   kc = communicator(kind)
   if kc.num_replicas == 1:
     pytest.skip("one replica: its pending gradient is the only one (runs under mpirun)")
-  tx = optax.chain(mnjax.allreduce_gradients(kc, double_buffering=True), optax.sgd(0.1))
+  tx = mnjax.create_multi_node_optimizer(optax.sgd(0.1), kc, double_buffering=True)
   x, y = global_batches(kc.num_replicas, steps=1)
   fresh = {"params": init_params(), "opt": tx.init(init_params())}
   params, opt = make_step(kc, tx)(fresh["params"], fresh["opt"], mine(kc, x[0]),
@@ -400,18 +389,19 @@ def test_mean_false_applies_the_previous_sum_flushed_or_not(comm):
   grads = [{"w": jnp.full(3, comm.rank + 1.0)}, {"w": jnp.full(3, 10.0 * (comm.rank + 1))}]
   total = sum(range(1, comm.size + 1))
   for mean, want in ((False, total), (True, total / comm.size)):
-    tx = mnjax.allreduce_gradients(comm, mean=mean, double_buffering=True)
+    tx = mnjax.create_multi_node_optimizer(optax.sgd(-1.0), comm, mean=mean,
+                                           double_buffering=True)  # update = the gradient
     update = jax.jit(tx.update)
     state = tx.init(grads[0])
-    out, state = update(grads[0], state)
+    out, state = update(grads[0], state, grads[0])
     np.testing.assert_array_equal(out["w"], np.zeros(3))  # step 0 applies zero
-    out, after = update(grads[1], state)
+    out, after = update(grads[1], state, grads[0])
     np.testing.assert_allclose(out["w"], np.full(3, want), rtol=1e-6)
     # A flushed pending sum is applied the same way (and a second flush changes nothing).
     flushed = mnjax.train.flush_pending(mnjax.train.flush_pending(state, comm), comm)
-    out_flushed, _ = update(grads[1], flushed)
+    out_flushed, _ = update(grads[1], flushed, grads[0])
     np.testing.assert_allclose(out_flushed["w"], np.full(3, want), rtol=1e-6)
-    np.testing.assert_array_equal(after.pending["w"], grads[1]["w"])
+    np.testing.assert_array_equal(after.exchange.pending["w"], grads[1]["w"])
 
 
 LOOP_STEPS = 3
@@ -447,7 +437,7 @@ def test_train_loop_resumes_a_double_buffered_run_bit_for_bit(comm, tmp_path):
   resumed = loop_run(comm, tmp_path / "split", epochs=2, resume=True)
   for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params)):
     np.testing.assert_array_equal(a, b)
-  assert isinstance(resumed.opt_state[0], mnjax.optim.DoubleBufferingState)
+  assert isinstance(resumed.opt_state, mnjax.optim.DoubleBufferingState)
   # The flag must match the checkpoint's, either way: refused on every rank, with the fix.
   with pytest.raises(CheckpointTemplateError, match="differ in --double_buffering"):
     loop_run(comm, tmp_path / "split", epochs=3, resume=True, double_buffering=False)

@@ -49,11 +49,11 @@ def test_allreduce_gradients_without_communicator(comm):
 @pytest.mark.parametrize("double_buffering", [False, True])
 def test_an_eager_update_says_what_came_and_to_call_it_in_the_step(comm, double_buffering):
   """Outside a traced step the exchange cannot run over several replicas (a Python float leaf
-  used to end in a raw AttributeError); hierarchical has two replicas in one process too."""
+  included); hierarchical has two replicas in one process too."""
   kc = comm if comm.num_replicas > 1 else mnjax.create_communicator("hierarchical")
   if kc.num_replicas == 1:
     pytest.skip("needs several replicas (two local devices, or mpirun)")
-  tx = mnjax.allreduce_gradients(kc, double_buffering=double_buffering)
+  tx = mnjax.create_multi_node_optimizer(optax.sgd(0.1), kc, double_buffering=double_buffering)
   grads = {"w": 1.0}
   with pytest.raises(ValueError, match=r"(?s)outside a traced step.*leaf \['w'\] is a Python"
                                        r" float \(1\.0\).*inside the jitted step"):

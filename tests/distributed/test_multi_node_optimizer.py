@@ -148,11 +148,11 @@ def test_ranks_with_different_options_are_stopped_on_every_rank(comm):
   assert len(set(comm.mpi_comm.allgather(str(info.value)))) == 1
 
 
-def test_double_buffering_is_chainermn_double_buffered_optimizer(comm):
+def test_double_buffering_first_runs_the_optimizer_at_the_second_step(comm):
   tx = mnjax.create_multi_node_optimizer(optax.adam(0.1), comm, double_buffering=True)
   params = init_params()
   state = tx.init(params)
-  assert isinstance(state, mnjax.optim.DoubleBufferedState)
+  assert isinstance(state, mnjax.optim.DoubleBufferingState)
   step = jax.jit(tx.update)
   grads = jax.tree.map(jnp.ones_like, params)
   updates, state = step(grads, state, params)  # stores the gradient; adam not run yet

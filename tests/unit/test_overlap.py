@@ -99,8 +99,8 @@ def compiled_step(kc, tx, model):
     run = mnjax.data_parallel(step, kc, batch_argnums=(3,))
   text = run.lower(params, stats, opt_state, x).compile().as_text()
   before = len(jax.tree.leaves((params, stats)))
-  pending = len(jax.tree.leaves(opt_state[0].pending)) if isinstance(
-      opt_state[0], mnjax.optim.DoubleBufferingState) else 0
+  pending = len(jax.tree.leaves(opt_state.exchange.pending)) if isinstance(
+      opt_state, mnjax.optim.DoubleBufferingState) else 0
   return text, set(range(before, before + pending)), len(jax.tree.leaves((params, stats,
                                                                           opt_state, x)))
 
@@ -113,9 +113,9 @@ KINDS = ["flat", "two_dimensional"]
 def test_double_buffered_collectives_read_only_the_pending_gradient(kind, wire_dtype,
                                                                    bucket_bytes):
   kc = two_ranks(kind)
-  tx = optax.chain(mnjax.allreduce_gradients(kc, double_buffering=True, wire_dtype=wire_dtype,
-                                             bucket_bytes=bucket_bytes),
-                   optax.sgd(0.1, momentum=0.9))
+  tx = mnjax.create_multi_node_optimizer(optax.sgd(0.1, momentum=0.9), kc,
+                                         double_buffering=True, wire_dtype=wire_dtype,
+                                         bucket_bytes=bucket_bytes)
   text, pending, _ = compiled_step(kc, tx, MLP())
   used = entry_parameters_read_by_collectives(text)
   assert used and used <= pending, (used, pending)
@@ -137,8 +137,8 @@ def test_lowered_for_cuda_the_collectives_read_the_same_inputs(double_buffering)
   """The same property in the step lowered for GPUs (StableHLO; JAX lowers for ``cuda``
   without a GPU): the MPI calls of ``main`` read only the pending gradient's arguments."""
   kc = two_ranks("flat")
-  tx = optax.chain(mnjax.allreduce_gradients(kc, double_buffering=double_buffering,
-                                             bucket_bytes=4096), optax.sgd(0.1, momentum=0.9))
+  tx = mnjax.create_multi_node_optimizer(optax.sgd(0.1, momentum=0.9), kc,
+                                         double_buffering=double_buffering, bucket_bytes=4096)
   model = MLP()
   x = jnp.ones((8, 16))
   params = model.init(jax.random.key(0), x)["params"]
@@ -176,7 +176,7 @@ def test_with_sync_batch_norm_the_exchange_waits_for_its_collectives():
   """SyncBatchNorm's MPI collectives and the exchange must keep one order on every rank, so
   there the double-buffered exchange is ordered after the new gradient (no overlap)."""
   kc = two_ranks("flat")
-  tx = optax.chain(mnjax.allreduce_gradients(kc, double_buffering=True), optax.sgd(0.1))
+  tx = mnjax.create_multi_node_optimizer(optax.sgd(0.1), kc, double_buffering=True)
   text, pending, count = compiled_step(kc, tx, MLP(sync_bn=kc))
   units = entry_units(text)
   comps, entry = _computations(text)

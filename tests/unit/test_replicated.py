@@ -236,12 +236,12 @@ def test_per_device_optimizer_state_of_double_buffering_and_accumulation_is_vary
   # shard stays on its device from step to step): what the analysis reports.
   comm = as_processes(mnjax.create_communicator(kind), 2, monkeypatch)
   model = Net(comm)
-  double = optax.chain(mnjax.allreduce_gradients(comm, double_buffering=True), optax.sgd(0.1))
+  double = mnjax.create_multi_node_optimizer(optax.sgd(0.1), comm, double_buffering=True)
   args = step_args(model, double)
   params = len(jax.tree.leaves(args[0]))
   found = varying_paths(train_step(comm, model, double), comm, args, (3, 4))
   assert found[-1] == "[3]['loss']" and len(found) == params + 1
-  assert all(p.startswith("[2][0].pending[") for p in found[:-1]), found
+  assert all(p.startswith("[2].exchange.pending[") for p in found[:-1]), found
   every = mnjax.optim.accumulate_gradients(
       optax.chain(mnjax.allreduce_gradients(comm), optax.sgd(0.1)), 2)
   found = varying_paths(train_step(comm, model, every), comm, step_args(model, every), (3, 4))
