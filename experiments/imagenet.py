@@ -49,7 +49,7 @@ from mnjax.data import Loader, augment
 from mnjax.optim import recipes
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-# The names the configs had when they were a dict in this script.
+# Short names `--config` also accepts.
 ALIASES = {"digits": "resnet18_digits", "cifar10": "resnet18_cifar10",
            "imagenet": "resnet50_goyal", "synthetic": "resnet50_synthetic"}
 MODELS = {"resnet18": models.ResNet18, "resnet34": models.ResNet34, "resnet50": models.ResNet50,

@@ -15,8 +15,6 @@ The layers, each a subpackage whose ``__init__`` is its API (imports flow downwa
 * `mnjax.comm` — communicators, in-step and host collectives, the 16-bit wire, abort;
 * `mnjax.guard` — pre-flight checks, replica consensus, the watchdog;
 * `mnjax.functions` — ChainerMN's differentiable in-step communication (model parallelism);
-* `mnjax.collectives` — ChainerMN's communicator methods: host point-to-point and
-  collectives on arrays and objects, ``comm.split``;
 * `mnjax.optim` — the optax transformations and `mnjax.optim.recipes`;
 * `mnjax.nn` — `SyncBatchNorm`, `create_mnbn_model`;
 * `mnjax.data` — sharding, dataset sources, the loader, augmentations;
@@ -32,7 +30,6 @@ The names below are the ones most scripts need.
 
 from mnjax import (
     checkpoint,
-    collectives,
     comm,
     data,
     functions,
@@ -69,7 +66,6 @@ __all__ = [
     "broadcast",
     "check_replicas",
     "checkpoint",
-    "collectives",
     "comm",
     "create_communicator",
     "create_multi_node_optimizer",

@@ -70,7 +70,7 @@ else
   command -v mpicc >/dev/null || { echo "setup.sh: MNJAX_MPI=system needs mpicc on PATH (module load mpi?)" >&2; exit 2; }
   # mpi4py and mpi4jax built from source with the cluster's mpicc, never from pip's cache
   # (a wheel built earlier against another MPI: mpi4jax then refuses, "MPI ABI
-  # incompatibility"); mnjax/comm/_native keeps one library per MPI vendor.
+  # incompatibility"); mnjax/comm/_instep/_native keeps one library per MPI vendor.
   export MPICC="$(command -v mpicc)" MPI4JAX_BUILD_MPICC="$(command -v mpicc)"
   export MPICXX="${MPICXX:-$(command -v mpicxx || command -v mpic++ || true)}"
   "${pip[@]}" install --no-binary=mpi4py --no-cache-dir "mpi4py>=4.0"
@@ -178,9 +178,9 @@ spec="$repo[test"
 spec="$spec]"
 "${pip[@]}" install -e "$spec"
 
-# mnjax's MPI handlers for XLA:CPU (mnjax/comm/_native): compiled with the same MPI compiler
+# mnjax's MPI handlers for XLA:CPU (mnjax/comm/_instep/_native): compiled with the same MPI compiler
 # wrapper; rebuilt automatically on first use whenever the source is newer.
-PATH="$venv/bin:$PATH" "$venv/bin/python" -m mnjax.comm._native >/dev/null
+PATH="$venv/bin:$PATH" "$venv/bin/python" -m mnjax.comm._instep._native >/dev/null
 "$venv/bin/python" -c "import mnjax, mpi4jax" >/dev/null
 if [ "$mpi_kind" = system ]; then  # say which MPI the venv runs on (mpi4jax checked its ABI)
   echo "setup.sh: MPI: $("$venv/bin/python" -c "from mpi4py import MPI; print(MPI.Get_library_version().strip(chr(0)).splitlines()[0])")" >&2

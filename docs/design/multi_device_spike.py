@@ -1,4 +1,4 @@
-"""Design spike for issue 3 (several devices per process): how to reduce across processes.
+"""Design spike (several devices per process): how to reduce across processes.
 
 Not package code: a measurement kept so the numbers in multi_device.md can be reproduced.
 
@@ -9,7 +9,8 @@ Not package code: a measurement kept so the numbers in multi_device.md can be re
 
 Kinds: ``none`` (pmean over local devices only: the no-MPI baseline), ``a_io_callback``
 (hangs under shard_map: do not select it), ``b_split`` (three jits per step; hangs unless
-SYNC=1), ``c_hierarchical`` / ``c_two_dimensional`` (mnjax.comm._primitives inside shard_map).
+SYNC=1), ``c_hierarchical`` / ``c_two_dimensional`` (mnjax.comm._instep._primitives inside
+shard_map).
 """
 import json
 import os
@@ -28,8 +29,8 @@ from mpi4py import MPI
 
 import mnjax
 from lab.models import SmallCNN
-from mnjax.comm import _buckets as bucketing
-from mnjax.comm._primitives import allreduce_sum
+from mnjax.comm._instep import _buckets as bucketing
+from mnjax.comm._instep._primitives import allreduce_sum
 
 world = MPI.COMM_WORLD
 ndev = jax.local_device_count()

@@ -39,8 +39,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab.runner._classifier import _train_step, create_train_state
-from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._instep import _sequence as sequence
 
 __all__ = ["Compiled", "abstract", "compile", "parameter_outputs", "train_step"]
 
@@ -182,7 +182,7 @@ def compile(step, args, *, global_flops: bool = False, devices: int = 1,
     >>> c.flops, c.memory["argument"]
     (1024.0, 256)
   """
-  # Private JAX, the one use outside mnjax.comm._compat: the deviceless executable has no
+  # Private JAX, the one use outside mnjax.comm._instep._compat: the deviceless executable has no
   # cost analysis ("GetCostAnalysis is not supported"), so XLA's HloCostAnalysis runs on the
   # CPU client over the lowered and the compiled module. Public replacement: none in 0.10.2.
   from jax._src import xla_bridge  # noqa: PLC0415

@@ -32,7 +32,7 @@ against raw MPI on one preallocated buffer (``raw_mpi_fused``; ``_in_place``: th
 (``raw_mpi_per_leaf``: leaf-sized messages stay in the CPU caches, which one 102 MB
 message does not, so this is the fair limit for a per-leaf plan): one mpi4jax call per leaf,
 one mnjax call per leaf (``bucket_bytes=1``),
-the platform's default plan (``mnjax_default``, `mnjax.comm._buckets.default_bucket_bytes`),
+the platform's default plan (``mnjax_default``, `mnjax.comm._instep._buckets.default_bucket_bytes`),
 buckets of several sizes, one fused buffer (``bucket_bytes=None``), and bf16 on the wire
 with one buffer and with the default buckets.
 """
@@ -111,8 +111,8 @@ def _sweep_fns(n: int, comm) -> tuple[dict, dict]:
   import numpy as np
   from mpi4py import MPI
 
-  from mnjax.comm import _primitives as mpi_ops
-  from mnjax.comm._collectives import allreduce_tree
+  from mnjax.comm._instep import _primitives as mpi_ops
+  from mnjax.comm._instep._allreduce import allreduce_tree
 
   mpi, host = comm.device_comm, comm.mpi_comm
   send, recv = np.ones(n, np.float32), np.empty(n, np.float32)
@@ -157,7 +157,7 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
   from mpi4py import MPI
 
   from lab.bench.launch import resnet50_shapes
-  from mnjax.comm._collectives import allreduce_tree
+  from mnjax.comm._instep._allreduce import allreduce_tree
 
   mpi = comm.device_comm
   total = sum(math.prod(s) for s in resnet50_shapes())

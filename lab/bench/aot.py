@@ -227,7 +227,7 @@ def _bucket_plan(size) -> dict:
   import jax.numpy as jnp
 
   from lab.costmodel import step as step_model
-  from mnjax.comm._buckets import DEFAULT_BUCKET_BYTES
+  from mnjax.comm._instep._buckets import DEFAULT_BUCKET_BYTES
 
   model = _model(size, None, sync_bn=False)
   image = jnp.zeros((1, size["image"], size["image"], 3))

@@ -76,7 +76,7 @@ def bucket_plan(model: str, variant: str) -> list[float]:
   import jax.numpy as jnp
 
   from lab.costmodel.step import planned_buckets
-  from mnjax.comm._buckets import DEFAULT_BUCKET_BYTES
+  from mnjax.comm._instep._buckets import DEFAULT_BUCKET_BYTES
   module, _, _, shape = _model(model)
   kwargs = {"train": False} if model == "resnet" else {}
   params = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, *shape)),
@@ -92,7 +92,7 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
   import mnjax
   from lab.bench.rounds import time_rounds
   from lab.runner import create_train_state, make_train_step
-  from mnjax.comm import _collectives as collectives
+  from mnjax.comm._instep import _allreduce as collectives
 
   module, opt, per_device, shape = _model(name)
   images, labels = _batch(name, comm, per_device, shape)

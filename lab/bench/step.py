@@ -16,7 +16,7 @@
    computing (measured 0.80-0.86 unbound vs 0.92-1.0 bound on the same 2-core machine).
    Also in the same rounds: the 16-bit wire, 64 kB buckets, double buffering, the
    first bucket leaving as soon as its own leaves are ready (what GPUs do,
-   `mnjax.comm._collectives.leaves_early`) instead of after every leaf (the CPU default),
+   `mnjax.comm._instep._allreduce.leaves_early`) instead of after every leaf (the CPU default),
    and the allreduce step with `mnjax.guard.Timeline` recording (its step traced with the
    timeline's tags and step marks, ``timeline.step`` called per step as the train loop
    does): ``timeline_overhead`` = its time / the allreduce step's. Goal: <= 1.03.
@@ -48,7 +48,7 @@ from lab.bench.launch import relaunch
 from lab.bench.rounds import time_rounds
 from lab.models import SmallCNN
 from lab.runner import create_train_state, train_step
-from mnjax.comm import _collectives as collectives
+from mnjax.comm._instep import _allreduce as collectives
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -129,7 +129,7 @@ def naive_mpi4jax_allreduce(comm: mnjax.Communicator) -> optax.GradientTransform
     leaves, treedef = jax.tree.flatten(updates)
     flat = jnp.concatenate([leaf.ravel() for leaf in leaves])
     flat = mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm.device_comm) / comm.size
-    return treedef.unflatten(mnjax.comm._buckets.unpack(flat, leaves)), state
+    return treedef.unflatten(mnjax.comm._instep._buckets.unpack(flat, leaves)), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 

@@ -29,7 +29,7 @@ parameters and holds 1/P of its state (`optimizer_state_bytes`). The all-gather 
 update, so only ``overlap="none"`` is modelled for it.
 
 `planned_buckets` gives the bucket sizes mnjax's own plan cuts a model's gradient into
-(`mnjax.comm._buckets.tree_buckets`); pass them as ``bucket_sizes`` to tie the model to
+(`mnjax.comm._instep._buckets.tree_buckets`); pass them as ``bucket_sizes`` to tie the model to
 the implementation instead of equal buckets.
 
 Overlapped communication is not free: it competes with the computation for memory
@@ -122,7 +122,7 @@ def buckets(nbytes: float, bucket_bytes: float | None) -> list[float]:
 
 def planned_buckets(grads, bucket_bytes: int | None, *, wire_dtype=None) -> list[float]:
   """Wire bytes of each bucket, in the order mnjax sends them, for a gradient tree `grads`
-  (leaves: arrays or ``jax.ShapeDtypeStruct``s): `mnjax.comm._buckets.tree_buckets`,
+  (leaves: arrays or ``jax.ShapeDtypeStruct``s): `mnjax.comm._instep._buckets.tree_buckets`,
   the plan `allreduce_gradients` uses.
 
   >>> import jax, jax.numpy as jnp
@@ -133,7 +133,7 @@ def planned_buckets(grads, bucket_bytes: int | None, *, wire_dtype=None) -> list
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from mnjax.comm._collectives import tree_buckets  # noqa: PLC0415 the layer below, lazily
+  from mnjax.comm._instep._allreduce import tree_buckets  # noqa: PLC0415 the layer below, lazily
 
   wire = None if wire_dtype is None else np.dtype(wire_dtype)
   order, plan = tree_buckets(grads, wire_dtype=wire, bucket_bytes=bucket_bytes)

@@ -28,8 +28,8 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from mnjax.comm import _recorder as recorder
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._instep import _recorder as recorder
 from mnjax.data import epoch_batches
 from mnjax.optim.recipes import smoothed_cross_entropy
 from mnjax.train import data_parallel, process_local

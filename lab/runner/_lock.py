@@ -1,8 +1,8 @@
 """One writer per work directory, and work-directory errors that reach every rank.
 
-Two runs started in one work directory used to both run: their epochs interleaved in one
-``metrics.jsonl`` and their checkpoints raced (issue 18). `WorkdirLock` stops the second run
-at the start, on every rank, naming the run that holds the directory. The lock is the file
+Two runs in one work directory would interleave their epochs in one ``metrics.jsonl`` and
+race their checkpoints. `WorkdirLock` stops the second run at the start, on every rank,
+naming the run that holds the directory. The lock is the file
 ``<workdir>/mnjax.lock``, created atomically (``O_CREAT | O_EXCL``) by rank 0 before
 anything else is written there; it names the holder's host, pid, start time and job size
 and is removed when the run ends, normally or by an exception. A run killed outright leaves
@@ -11,8 +11,8 @@ with a note. A lock written on another host cannot be checked from here; the mes
 how to remove it when that run is gone.
 
 Only rank 0 touches the work directory, so an ``OSError`` there (the directory is a file, a
-parent is a file, it is read-only, the disk is full) used to end rank 0 alone with a raw
-traceback while the other ranks waited or printed nothing. `on_root` runs rank 0's part and
+parent is a file, it is read-only, the disk is full) would end rank 0 alone with a raw
+traceback while the other ranks wait. `on_root` runs rank 0's part and
 agrees on the outcome (`mnjax.comm._devices.agree`): every rank raises the same
 `RuntimeError`, saying what failed and what to do.
 """

@@ -15,9 +15,9 @@ from typing import ClassVar
 from lab.runner._flags import check_fields, flag
 from lab.runner._preemption import parse_signals
 from lab.runner._profile import profile_window
-from mnjax.comm._buckets import bucket_bytes_from_mb
 from mnjax.comm._communicator import KINDS
-from mnjax.comm._wire import check_wire_dtype
+from mnjax.comm._instep._buckets import bucket_bytes_from_mb
+from mnjax.comm._instep._wire import check_wire_dtype
 
 __all__ = ["RunConfig"]
 

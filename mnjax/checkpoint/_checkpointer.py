@@ -1,42 +1,14 @@
 """Checkpoints that can always be resumed: atomic, verified, the same step on every rank.
 
-`Checkpointer` saves any pytree of training state — parameters, optimizer state (mnjax's
-transformation states included), RNG keys, epoch and data position — with
-orbax-checkpoint, and restores it exactly:
-
-- **One writer.** Under plain ``mpirun`` every process is its own single-process JAX, so
-  orbax cannot coordinate the ranks; replicas are identical anyway, so rank 0 writes and
-  the others only check that they are saving the same step and the same values: state that
-  differs between replicas (an unflushed double-buffered gradient, per-replica BatchNorm
-  statistics, a per-rank key) would be lost on restore, and is refused on every rank with
-  the fix (`mnjax.checkpoint._per_rank`). State that is each rank's own by design (a
-  model-parallel stage) is wrapped in `PerRankState`: every rank's is written, in the same
-  checkpoint, and each rank restores its own (`mnjax.checkpoint._own_state`).
-- **Atomic.** Orbax writes into a temporary directory and renames it when complete; a save
-  killed half-way is never listed, never loaded. The last ``keep`` checkpoints are kept; an
-  older one is deleted only once the newer one is on disk (orbax would delete it even when
-  the newer write fails, leaving none with ``keep=1``).
-- **Verified.** Each checkpoint carries a BLAKE2b digest per leaf (`mnjax.checkpoint._verify`).
-  A checkpoint that does not read back, or whose bytes no longer match (truncated,
-  flipped), is reported and skipped in favour of the previous one; if none is readable,
-  restore fails saying so (`CorruptCheckpointError`). It is never loaded silently. An intact
-  checkpoint that holds another tree than the template is not damage: it is a
-  `CheckpointTemplateError` naming the difference, and nothing falls back past it.
-- **Same step everywhere.** Rank 0 chooses the step, reads it and broadcasts the state, so
-  ranks with a stale or private view of the directory cannot resume from different steps.
-- **Sharded optimizer state saved whole.** A `mnjax.optim.ShardedState` in the tree (what
-  `mnjax.shard_optimizer` keeps: this rank's shares) is joined from every rank's shares and
-  written whole, as ``gather_optimizer_state`` returns it, so the checkpoint does not depend
-  on the number of ranks; a template holding a `ShardedState` gets this rank's share of it
-  back, so a run saved on P ranks resumes on Q (`mnjax.checkpoint._sharded`). Digests are
-  of the whole state, as on disk.
-
-Saving is asynchronous by default: rank 0 copies the state to host memory and orbax writes
-it in the background while training goes on. The next `save`, `wait` or `close` checks that
-the write reached the disk (orbax only logs a failed background write) and raises
-`CheckpointSaveError` on every rank if it did not. Rank 0's dealings with orbax (writes,
-their check, pruning, reading the newest intact step) are `mnjax.checkpoint._store`'s; the
-errors are in `mnjax.checkpoint._errors`.
+`Checkpointer` saves a pytree of training state with orbax-checkpoint and restores it
+exactly. Rank 0 writes (asynchronously by default) and the other ranks check that they save
+the same step and values: state that differs between replicas is refused on every rank
+(`mnjax.checkpoint._per_rank`), except `PerRankState` nodes (`_own_state`: every rank's is
+written) and `shard_optimizer` states (`_sharded`: written whole, re-sharded on restore).
+Each checkpoint carries a digest per leaf (`_verify`); restore reads the newest intact one
+on rank 0 (`_store`), skipping damaged ones, and broadcasts it. A failed background write is
+raised as `CheckpointSaveError` on every rank at the next `save`, `wait` or `close`.
+Design: docs/design/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -65,7 +37,7 @@ from mnjax.checkpoint._template import (
     to_host,
 )
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._host import broadcast
+from mnjax.comm._host._broadcast import broadcast
 
 __all__ = ["CheckpointSaveError", "CheckpointTemplateError", "Checkpointer",
            "CorruptCheckpointError"]
@@ -75,15 +47,13 @@ class Checkpointer:
   """Saves and restores training state in `directory` (collective: every rank calls it).
 
   Args:
-    directory: where checkpoints live (one subdirectory per step). Rank 0 must be able to
-      write it; the other ranks never touch it.
+    directory: where checkpoints live (one subdirectory per step; rank 0 writes it).
     comm: the `Communicator`.
     keep: how many of the most recent checkpoints to keep (>= 1).
     async_save: write in a background thread (rank 0); the next `save`, `wait` or `close`
       waits for it and raises `CheckpointSaveError` on every rank if it failed.
     settings: JSON values a resumed run must share with the saved one (e.g. the global
-      batch size and seed that fix the data order); saved with every checkpoint and
-      compared by `resume`.
+      batch size and seed), compared on restore.
 
   Example:
     >>> import tempfile
@@ -109,24 +79,19 @@ class Checkpointer:
     if comm.is_root:
       self._store = OrbaxStore(self.directory, keep=keep, async_save=async_save)
 
-  # -- save ----------------------------------------------------------------------------------
-
   def save(self, step: int, state: Any, *, meta: dict | None = None) -> None:
-    """Saves `state` as checkpoint `step` (collective; rank 0 writes). An existing
-    checkpoint of the same step (say, one a restore skipped as damaged) is replaced.
+    """Saves `state` as checkpoint `step` (collective; rank 0 writes; replaces that step).
 
     Args:
       step: the global step count (equal on every rank, or `ValueError` on every rank).
-      state: the pytree to save; jax arrays, numpy arrays, Python scalars and PRNG keys,
-        and `shard_optimizer` states (saved whole: module docstring).
+      state: the pytree to save; jax arrays, numpy arrays, Python scalars, PRNG keys,
+        `shard_optimizer` states (saved whole) and `PerRankState` s.
       meta: JSON-serialisable extras restored with it (epoch, data position, config).
 
     Raises:
-      ValueError: on every rank, when the ranks save different steps, sharded optimizer
-        states that are not each rank's own share of the same tree, an accumulate_gradients
-        cycle half done, or leaves (or `meta`) that differ between replicas: rank 0's copy
-        would be everyone's on restore (a double-buffered pending gradient must be flushed
-        first, with `mnjax.train.flush_pending`).
+      ValueError: on every rank, when the ranks save different steps or mismatched sharded
+        or per-rank states, mid `accumulate_gradients` cycle, or when leaves (or `meta`)
+        differ between replicas (rank 0's copy would be everyone's on restore).
     """
     step = int(step)
     steps = self.comm.mpi_comm.allgather(step) if self.comm.size > 1 else [step]
@@ -157,9 +122,8 @@ class Checkpointer:
 
   def _start(self, step: int, state: Any, wholes: list[Any], parts: list[Any],
              meta: dict | None) -> None:
-    """Rank 0: hands checkpoint `step` to orbax (the previous write is finished); `wholes`:
-    the whole states of `state`'s sharded optimizer states (`sharded.gather`), `parts`:
-    every rank's part of each `PerRankState` (`own.gather`)."""
+    """Rank 0: hands checkpoint `step` to orbax, with `wholes` (`sharded.gather`) and
+    `parts` (`own.gather`) in place of the per-rank nodes."""
     host = own.expand(sharded.host_tree(state, wholes, to_host), parts)
     record = {"step": step, "meta": meta or {}, "settings": self.settings,
               "digests": verify.record_digests(host), "signature": signature(host),
@@ -189,8 +153,7 @@ class Checkpointer:
     self._raise_on_every_rank(self._store.finish_pending() if self._store is not None else None)
 
   def close(self) -> None:
-    """Waits for the last write (as `wait`: collective, raises on every rank if it failed)
-    and releases orbax's resources."""
+    """Waits for the last write (as `wait`) and releases orbax's resources."""
     try:
       self.wait()
     finally:
@@ -213,8 +176,6 @@ class Checkpointer:
     else:
       self._release()
 
-  # -- restore -------------------------------------------------------------------------------
-
   def steps(self) -> list[int]:
     """The complete checkpoints rank 0 sees, oldest first (collective)."""
     steps = self._store.steps() if self._store is not None else None
@@ -223,18 +184,15 @@ class Checkpointer:
   def restore(self, template: Any) -> tuple[int, Any, dict] | None:
     """The newest intact checkpoint, as ``(step, state, meta)`` on every rank, or None.
 
-    Collective. Rank 0 tries the checkpoints from the newest down; one that fails to read
-    or to verify is reported on stderr and skipped. The state is broadcast from rank 0,
-    so every rank resumes from the same step.
+    Collective. Rank 0 tries the checkpoints from the newest down, skipping (and reporting
+    on stderr) any that fails to read or verify, and broadcasts the state.
 
     Args:
       template: a pytree like the saved state (e.g. the freshly initialised state): its
-        structure, shapes and dtypes are checked (a Python scalar leaf, like a fresh
-        ``TrainState.step``, or a 0-d numpy one, takes the dtype that was saved), and its
-        leaves say how to return each value (jax array on the same sharding, numpy, PRNG
-        key, scalar). A `shard_optimizer` state in it (this communicator's, e.g. a fresh
-        ``init``) receives this rank's share of the whole state saved there, however many
-        ranks saved it.
+        structure, shapes and dtypes are checked (a host scalar leaf takes the saved
+        dtype), and its leaves say how to return each value (jax array on the same
+        sharding, numpy, PRNG key, scalar). A `shard_optimizer` state in it receives this
+        rank's share, however many ranks saved it.
 
     Returns:
       None when the directory holds no checkpoint; otherwise ``(step, state, meta)``.
@@ -279,8 +237,7 @@ class Checkpointer:
     return outcome["step"], state, outcome["meta"]
 
   def resume(self, template: Any, *, requested: bool) -> tuple[int, Any, dict] | None:
-    """What a training script does at start: `restore` when resuming was `requested`, and
-    refuse to start afresh over existing checkpoints otherwise (same error on every rank).
+    """`restore` when `requested`; else `FileExistsError` on every rank if checkpoints exist.
 
     Returns:
       `restore`'s ``(step, state, meta)``, or None to start from `template`.
@@ -299,8 +256,7 @@ class Checkpointer:
     return None
 
   def _check_template(self, record: dict, template: Any) -> None:
-    """`CheckpointTemplateError` on every rank unless every rank's `template` matches the
-    tree `record` describes."""
+    """`CheckpointTemplateError` on every rank unless every rank's `template` matches."""
     try:
       mine = template_difference(record, template)
     except Exception as error:  # noqa: BLE001 (every rank must reach the allgather)

@@ -1,20 +1,9 @@
 """A training loop's checkpoints: the train state plus where the loop stands.
 
-Exact resume needs more than parameters and optimizer state: the epoch, the batch within
-it (the data order is fixed by the seed and the epoch, so a position is enough) and the
-metric sums the epoch has accumulated so far. `LoopCheckpoints` keeps those together on top
-of `mnjax.Checkpointer`, as both experiment scripts use it:
-
-    checkpoints = LoopCheckpoints(f"{workdir}/checkpoints", comm, resume=args.resume,
-                                  settings={"seed": 0, "global_batch_size": 256})
-    state, sums, first_epoch, first_batch = checkpoints.start(state, zero_sums)
-    ...                                   # after step `step`, batch i of `epoch`:
-    checkpoints.save(step, state, sums, epoch, i + 1)
-    checkpoints.wait()                    # before recording an epoch: did the save land?
-
-Metric sums are per rank; a checkpoint stores them summed over ranks, and on resume rank 0
-carries them on while the others start from zero, so the epoch's global figures come out
-the same whatever the number of ranks of the resumed run.
+`LoopCheckpoints` saves the train state with the epoch, the batch within it and the
+epoch's metric sums so far, on top of `mnjax.Checkpointer`, for a bitwise resume. The sums
+are stored summed over ranks; on resume rank 0 carries them on and the others start from
+zero, so the epoch's figures do not depend on the number of ranks.
 """
 
 from __future__ import annotations
@@ -22,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from mnjax.checkpoint._checkpointer import Checkpointer
-from mnjax.comm import _host as host
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._host import _broadcast as host
 
 __all__ = ["LoopCheckpoints"]
 
@@ -83,8 +72,7 @@ class LoopCheckpoints:
                            meta={"epoch": epoch, "batch": batch})
 
   def wait(self) -> None:
-    """Blocks until the last save is on disk (collective; the loop calls it before it
-    records an epoch, so no record follows a lost save).
+    """Blocks until the last save is on disk (collective; call it before recording an epoch).
 
     Raises:
       mnjax.checkpoint.CheckpointSaveError: on every rank, when that save failed.

@@ -1,27 +1,11 @@
 """State that is each rank's own by design (a model-parallel stage's parameters and optimizer
 state), saved from every rank and restored to the rank that saved it.
 
-`mnjax.Checkpointer` writes rank 0's tree and refuses leaves that differ between replicas
-(`mnjax.checkpoint._per_rank`), because rank 0's copy would be everyone's on restore. A
-multi-node model is the opposite case: rank 1 holds stage 1 and nothing else, so its state
-is not a replica of anything. Wrapping it in `PerRankState` says so:
-
-* **save**: every rank sends its `PerRankState` s' leaves to rank 0 (point-to-point, one
-  message per leaf, or more for a leaf larger than one MPI call can count: the pieces of
-  `mnjax.collectives._transport`; after one gather of their signatures), and rank 0 writes
-  them in the same checkpoint as the replicated state, as ``{"rank_0": ..., "rank_1": ...}``
-  in the node's place. One checkpoint holds every rank's stage, so a step is complete for all ranks
-  or for none (no rank resumes from a step another rank never wrote), and the usual digests
-  cover every stage;
-* **restore**: the template's `PerRankState` s give every rank's shapes (one allgather), rank
-  0 reads and verifies the checkpoint, and each rank gets its own part back, bitwise. The
-  checkpoint fixes the number of ranks: restored on another number, it is a
-  `CheckpointTemplateError` (the ranks' keys differ).
-
-The ranks' trees inside may differ in anything (structure, shapes, dtypes); the
-`PerRankState` nodes themselves must sit at the same paths on every rank. Each rank briefly
-holds every rank's part while restoring (as the whole `shard_optimizer` state), and rank 0
-while saving. A `ShardedState` inside a `PerRankState` is refused.
+On save every rank sends its `PerRankState` s' leaves to rank 0, which writes them in the
+same checkpoint as ``{"rank_0": ..., "rank_1": ...}`` in the node's place. On restore the
+template's `PerRankState` s give every rank's shapes (one allgather) and each rank gets its
+own part back, bitwise; another number of ranks is a `CheckpointTemplateError`. The nodes
+must sit at the same paths on every rank; their contents may differ.
 """
 
 from __future__ import annotations
@@ -34,8 +18,8 @@ import numpy as np
 
 from mnjax.checkpoint._rank_nodes import check_on_every_rank, find
 from mnjax.checkpoint._template import is_key
-from mnjax.collectives import _transport as transport
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._host import _transport as transport
 from mnjax.optim._shard_state import ShardedState
 
 __all__ = ["PerRankState", "check", "expand", "gather", "pick", "whole_template"]
@@ -46,8 +30,7 @@ class PerRankState:
   """`inner`: a pytree that is rank `rank`'s own (of `size`), saved and restored per rank.
 
   A pytree whose one child is `inner`, under the key ``.rank_<rank>_of_<size>``.
-  `mnjax.Checkpointer` saves every rank's `inner` (rank 0 writes them all) and restores each
-  rank's own; replicated-state checks leave it out.
+  `mnjax.Checkpointer` saves every rank's `inner` and restores each rank's own.
 
   Example:
     >>> import tempfile
@@ -93,8 +76,7 @@ def _nodes(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 
 def _describe(inner: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
-  """The treedef and ``(shape, dtype)`` per leaf of `inner` (keys as their key data;
-  picklable, no data)."""
+  """The treedef and ``(shape, dtype)`` per leaf of `inner` (picklable, no data)."""
   leaves, treedef = jax.tree.flatten(inner)
   leaves = [jax.random.key_data(x) if is_key(x) else x for x in leaves]
   return treedef, [(tuple(np.shape(x)), str(np.dtype(x.dtype) if hasattr(x, "dtype")
@@ -102,10 +84,8 @@ def _describe(inner: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
 
 
 def check(comm: Communicator, tree: Any, caller: str) -> str | None:
-  """What is wrong with the `PerRankState` s of `tree`, the same text on every rank (None
-  when nothing is): each must be this rank's (``rank == comm.rank``, ``size == comm.size``),
-  hold no `ShardedState`, and sit at the same paths on every rank. Collective (one small
-  allgather when the ranks agree)."""
+  """What is wrong with the `PerRankState` s of `tree` (this rank's, no `ShardedState`
+  inside, the same paths on every rank): the same text on every rank, or None. Collective."""
 
   def complaint(path: str, x: PerRankState) -> str | None:
     if (x.rank, x.size) != (comm.rank, comm.size):
@@ -129,11 +109,8 @@ def check(comm: Communicator, tree: Any, caller: str) -> str | None:
 
 
 def gather(comm: Communicator, tree: Any, to_host: Callable[[Any], Any]) -> list[list[Any]] | None:
-  """Rank 0: for each `PerRankState` of `tree` (flattening order), every rank's `inner` as a
-  host tree (``[node][rank]``); None elsewhere. Collective: one gather of the signatures
-  (and each sender's piece size), then one message per leaf to rank 0, in pieces of at most
-  `mnjax.collectives._transport.MAX_MESSAGE_BYTES` (`check` first, so that every rank takes
-  part)."""
+  """Rank 0: every rank's `inner` of each `PerRankState` of `tree`, as host trees
+  (``[node][rank]``); None elsewhere. Collective (call `check` first)."""
   inners = [jax.tree.map(to_host, x.inner) for _, x in _nodes(tree)[0] if _is_own(x)]
   if comm.size == 1:
     return [[inner] for inner in inners]
@@ -167,8 +144,7 @@ def gather(comm: Communicator, tree: Any, to_host: Callable[[Any], Any]) -> list
 
 
 def expand(tree: Any, parts: list[list[Any]]) -> Any:
-  """`tree` as it is written: each `PerRankState` replaced by ``{"rank_<r>": part}``
-  (`parts`, from `gather`)."""
+  """`tree` as written: each `PerRankState` replaced by ``{"rank_<r>": part}``."""
   flat, treedef = _nodes(tree)
   parts = iter(parts)
   return jax.tree.unflatten(treedef, [
@@ -176,8 +152,7 @@ def expand(tree: Any, parts: list[list[Any]]) -> Any:
 
 
 def whole_template(comm: Communicator, template: Any) -> Any:
-  """The tree a checkpoint of `template` holds: each `PerRankState` replaced by every rank's
-  placeholders (numpy, allocating nothing; from one allgather of the ranks' signatures)."""
+  """`template` as on disk: each `PerRankState` replaced by every rank's placeholders."""
   flat, treedef = _nodes(template)
   mine = [_describe(x.inner) for _, x in flat if _is_own(x)]
   if not mine:
@@ -196,8 +171,7 @@ def whole_template(comm: Communicator, template: Any) -> Any:
 
 
 def pick(comm: Communicator, state: Any, template: Any, like: Callable[[Any, Any], Any]) -> Any:
-  """`state` (restored in `whole_template(template)`'s form) with this rank's part put back
-  in each `PerRankState` of `template`, its leaves made `like` the template's."""
+  """`state` (in `whole_template`'s form) with this rank's part put back in each node."""
   flat, treedef = _nodes(template)
   values = treedef.flatten_up_to(state)
   out = []

@@ -1,33 +1,10 @@
 """State a save by rank 0 would lose: anything not the same on every replica, refused.
 
-`mnjax.Checkpointer` writes rank 0's tree and a restore broadcasts it, so a leaf that another
-replica (rank, or local device of the multi-device kinds) holds with other values would come
-back as rank 0's, without a word. Two per-rank states are saved from every rank:
-`mnjax.shard_optimizer`'s (`mnjax.checkpoint._sharded` joins the shares) and whatever a
-`mnjax.checkpoint.PerRankState` wraps (a model-parallel stage: `_own_state`, each rank gets
-its own back); everything else must be equal,
-and `Checkpointer.save` refuses it on every rank otherwise, before anything is written:
-
-* `mid_cycle`: an `accumulate_gradients` cycle half done (its gradient sum is each
-  replica's own), from the micro-step counters alone (the same on every rank);
-* `differences`: every rank fingerprints each leaf (each local device's copy too:
-  `mnjax.check_replicas`'s digests) and ``meta``, and the ranks compare them (one allgather
-  of the digests). The message names the leaves and the fix for what it recognises:
-
-  - a double-buffered pending gradient (`PendingGradient`) not flushed:
-    `mnjax.train.flush_pending` (`lab.runner.train_loop` flushes before each save);
-  - BatchNorm statistics (a path through ``batch_stats``) of per-replica ``nn.BatchNorm``:
-    `mnjax.SyncBatchNorm`, or `mnjax.nn.allreduce_persistent` before saving;
-  - a PRNG key drawn per rank: one key in the state, ``fold_in(key, comm.rank)`` in the step;
-  - ``meta`` (epoch, data position) passed differently: rank 0's would be the one restored.
-
-Equal by construction, so never refused in a correct run (and refused if they ever differ):
-parameters and optimizer state after `allreduce_gradients`, `dynamic_loss_scale`'s scale and
-`skip_nonfinite`'s counters (decided on the reduced gradient), step counts, a flushed
-pending gradient, `LoopCheckpoints`' metric sums (summed over ranks before the save).
-
-Cost: every rank copies the state to the host and hashes it (BLAKE2b, ~1 GB/s), while rank 0
-does the same for the digests it saves anyway; then one allgather of 8 bytes per leaf copy.
+`mnjax.Checkpointer` writes rank 0's tree, so every leaf outside a `ShardedState` or a
+`PerRankState` must be equal on every replica; `Checkpointer.save` refuses it on every rank
+otherwise, before anything is written: `mid_cycle` (an `accumulate_gradients` cycle half
+done) and `differences` (the ranks compare per-leaf fingerprints and ``meta`` in one
+allgather; the message names the leaves and, for the cases it recognises, the fix).
 """
 
 from __future__ import annotations
@@ -41,8 +18,8 @@ import numpy as np
 from mnjax.checkpoint._own_state import PerRankState
 from mnjax.checkpoint._template import is_key
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._digest import compare_digests
-from mnjax.comm._host import leaf_paths
+from mnjax.comm._host._digest import compare_digests
+from mnjax.comm._host._signature import leaf_paths
 from mnjax.guard._consensus import fingerprints
 from mnjax.optim._accumulation import AccumulationState
 from mnjax.optim._double_buffering import PendingGradient
@@ -54,8 +31,7 @@ _LISTED = 10
 
 
 def mid_cycle(comm: Communicator, state: Any) -> str:
-  """Why `state` cannot be saved: an `accumulate_gradients` cycle half done with several
-  replicas, whose gradient sum is each replica's own (rank 0 writes only its own); ''.
+  """Why `state` cannot be saved: an `accumulate_gradients` cycle half done; else ''.
 
   Example:
     >>> tx = mnjax.accumulate_gradients(optax.sgd(0.1), every_k=2)
@@ -77,8 +53,7 @@ def mid_cycle(comm: Communicator, state: Any) -> str:
 
 
 def _comparable(state: Any) -> Any:
-  """`state` as it is compared: `ShardedState` s (saved whole) and `PerRankState` s (saved
-  per rank) left out, keys as key data."""
+  """`state` without its `ShardedState` s and `PerRankState` s, keys as key data."""
   def prepare(x):
     if isinstance(x, (ShardedState, PerRankState)):
       return None
@@ -121,8 +96,8 @@ def _fix(paths: list[str], state: Any) -> str:
 
 
 def differences(comm: Communicator, state: Any, meta: Any) -> str:
-  """Why saving `state` and `meta` from rank 0 would lose another replica's values: the
-  same text on every rank, '' when every replica holds the same. Collective (one allgather).
+  """Why saving from rank 0 would lose another replica's values, the same text on every
+  rank ('' if none). Collective (one allgather).
 
   Example:
     >>> differences(comm, {"w": jnp.ones(3)}, {"epoch": 1})

@@ -1,12 +1,8 @@
 """The nodes of a saved tree that differ between ranks by design, and their check.
 
-Two kinds of node hold what is not a replica: a `mnjax.optim.ShardedState` (this rank's
-shares of the optimizer state, `mnjax.checkpoint._sharded`) and a `PerRankState` (this
-rank's own subtree, `mnjax.checkpoint._own_state`). Both modules find their nodes in a tree
-by type (`find`) and, before a save or restore, check them on every rank alike
-(`check_on_every_rank`): each rank names what is wrong with its own nodes, one round
-compares every rank's description of them (`mnjax.comm._agreement.gather_if_different`, a
-16-byte hash unless they differ), and every rank returns the same message (or None).
+`find` locates the `ShardedState` or `PerRankState` nodes of a tree by type;
+`check_on_every_rank` checks them before a save or restore and returns the same message
+(or None) on every rank, after one round comparing the ranks' descriptions.
 """
 
 from __future__ import annotations
@@ -16,8 +12,8 @@ from typing import Any
 
 import jax
 
-from mnjax.comm._agreement import gather_if_different
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._host._agreement import gather_if_different
 
 __all__ = ["check_on_every_rank", "find"]
 
@@ -48,12 +44,10 @@ def check_on_every_rank(
     kind: the node type (`ShardedState`, `PerRankState`).
     caller: the public method, first in every message.
     what: what the round is waiting for, for a rank that left (``"sharded state"``).
-    complaint: ``complaint(path, node)`` (``<root>`` for the tree itself): what is wrong with
-      this rank's node, or None; the first node's complaint is this rank's.
+    complaint: ``complaint(path, node)``: what is wrong with this rank's node, or None.
     described: what every rank must agree on, from this rank's ``[(path, node)]``.
     problem: the message for the ranks' ``[(rank, complaint)]`` when there are any.
-    mismatch: ``mismatch(rank 0's description, a differing rank, its description)``: the
-      message when the complaints are none but the descriptions differ.
+    mismatch: ``mismatch(rank 0's description, rank, its description)``: the message then.
 
   Example:
     >>> check_on_every_rank(comm, {"a": (1, 2)}, tuple, "doc", "tuples",
@@ -63,7 +57,8 @@ def check_on_every_rank(
   """
   nodes = [(path, x) for path, x in find(tree, kind)[0] if isinstance(x, kind)]
   mine = next((text for path, x in nodes if (text := complaint(path or "<root>", x))), None)
-  everyone = (gather_if_different(comm, (described(nodes), mine), what=f"{caller}'s {what}")
+  everyone = (gather_if_different(comm, f"{caller}'s {what}", (described(nodes), mine),
+                                  what=f"{caller}'s {what}")
               if comm.size > 1 else None)
   if everyone is None:
     return None if mine is None else f"{caller}: {mine}."

@@ -1,18 +1,10 @@
 """Checkpoints of trees that hold `mnjax.shard_optimizer`'s state: saved whole, restored
 re-sharded for the restoring rank.
 
-A `ShardedState` holds only this rank's shares, while `Checkpointer` writes rank 0's tree:
-saved as it is, a checkpoint would keep rank 0's shares alone. Instead every rank takes
-part in joining each `ShardedState` of the tree on rank 0 (`gather`, one MPI gather per share
-leaf) and rank 0 writes the whole inner state in its place: on disk it is what
-``gather_optimizer_state`` returns, what ``tx.init(params)`` holds unsharded after the same
-steps, whatever the number of ranks. On restore, a template that holds a `ShardedState` for
-this communicator reads that whole state (`whole_template`) and cuts this rank's share from
-it (`reshard`, the cut of ``scatter_optimizer_state``), so a run saved on P ranks resumes on
-Q. Each rank briefly holds the whole optimizer state while restoring (rank 0 while saving).
-
-On the same number of ranks the resume is bitwise: the shares cut again are the saved ones,
-except their zero padding (a padding element of the running state is never used).
+On save every rank's shares of each `ShardedState` are joined on rank 0 (`gather`), which
+writes the whole inner state in its place (what ``gather_optimizer_state`` returns). On
+restore the whole state is read (`whole_template`) and this rank's share cut from it
+(`reshard`), so a run saved on P ranks resumes on Q; on the same P, bitwise.
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ import jax
 
 from mnjax.checkpoint._rank_nodes import check_on_every_rank, find
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._signature import tree_signature
+from mnjax.comm._host._signature import tree_signature
 from mnjax.optim._shard_state import ShardedState, cut_like, gather_to_root, whole_like
 
 __all__ = ["check", "gather", "host_tree", "reshard", "whole_template"]
@@ -40,10 +32,8 @@ def _split(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 
 def check(comm: Communicator, tree: Any, caller: str) -> str | None:
-  """What is wrong with the `ShardedState` s of `tree` on some rank, the same text on every
-  rank (None when nothing is): each rank must hold its own share (``index == comm.rank``,
-  ``parts == comm.size``) with a layout, and every rank the same sharded leaves at the same
-  paths. Collective (one small allgather; more only on a mismatch)."""
+  """What is wrong with the `ShardedState` s of `tree` (this rank's share, with a layout,
+  the same paths on every rank): the same text on every rank, or None. Collective."""
 
   def complaint(path: str, x: ShardedState) -> str | None:
     if (x.index, x.parts) != (comm.rank, comm.size):
@@ -66,15 +56,13 @@ def check(comm: Communicator, tree: Any, caller: str) -> str | None:
 
 
 def gather(comm: Communicator, tree: Any) -> list[Any] | None:
-  """Rank 0: the whole inner state of each `ShardedState` of `tree`, in flattening order;
-  None on the other ranks. Collective (`check` first, so that every rank takes part)."""
+  """Rank 0: the whole inner state of each `ShardedState` of `tree`; None elsewhere."""
   wholes = [gather_to_root(comm, x) for _, x in _split(tree)[0] if _is_sharded(x)]
   return wholes if comm.is_root else None
 
 
 def host_tree(tree: Any, wholes: list[Any], to_host: Callable[[Any], Any]) -> Any:
-  """The tree as it is written: each `ShardedState` replaced by its whole state (`wholes`,
-  from `gather`), every other leaf a host copy (`to_host`)."""
+  """The tree as written: `ShardedState` s replaced by `wholes`, other leaves `to_host`."""
   flat, treedef = _split(tree)
   wholes = iter(wholes)
   return jax.tree.unflatten(treedef, [next(wholes) if _is_sharded(x) else to_host(x)
@@ -82,15 +70,13 @@ def host_tree(tree: Any, wholes: list[Any], to_host: Callable[[Any], Any]) -> An
 
 
 def whole_template(template: Any) -> Any:
-  """The tree a checkpoint of `template` holds on disk: each `ShardedState` replaced by
-  placeholders of its whole state (numpy, allocating nothing)."""
+  """`template` as on disk: each `ShardedState` replaced by its whole state's placeholders."""
   flat, treedef = _split(template)
   return jax.tree.unflatten(treedef, [whole_like(x) if _is_sharded(x) else x for _, x in flat])
 
 
 def reshard(state: Any, template: Any, like: Callable[[Any, Any], Any]) -> Any:
-  """`state` (restored in `whole_template(template)`'s form) with each whole state cut for
-  the `ShardedState` the template has there, its leaves made `like` the template's."""
+  """`state` (in `whole_template`'s form) with each whole state cut to the template's share."""
   flat, treedef = _split(template)
   parts = treedef.flatten_up_to(state)
   out = []

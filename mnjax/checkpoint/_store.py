@@ -1,17 +1,9 @@
 """Rank 0's side of `mnjax.Checkpointer`: orbax's checkpoint manager and what it leaves out.
 
-`OrbaxStore` exists on rank 0 only (the other ranks never touch the directory) and makes no
-collective call: `mnjax.Checkpointer` hands it the host tree and record to write, and turns
-what it reports into the same error on every rank. What it adds to orbax:
-
-* a write is finished and checked by the next call (`finish_pending`): orbax only logs a
-  failed background write and carries on, so a step orbax listed but never published is
-  reported, and forgotten;
-* the newest ``keep`` checkpoints are kept, an older one deleted only once the newer one is
-  on disk (orbax would delete it even when the newer write fails);
-* a step that exists already (one a restore skipped as damaged) is replaced, not skipped;
-* `newest` reads the newest checkpoint that reads back intact (`mnjax.checkpoint._verify`),
-  reporting each one it skips on stderr, and stops at one of another tree than the template.
+`OrbaxStore` exists on rank 0 only and makes no collective call. On top of orbax it checks
+each background write at the next call (`finish_pending`), keeps the newest ``keep``
+checkpoints (deleting an older one only once the newer is on disk), replaces an existing
+step, and reads the newest checkpoint that verifies (`newest`), reporting skipped ones.
 """
 
 from __future__ import annotations
@@ -31,8 +23,7 @@ __all__ = ["OrbaxStore"]
 
 
 class OrbaxStore:
-  """Rank 0's orbax ``CheckpointManager`` in `directory` (created if missing), keeping the
-  newest `keep` checkpoints, writing in the background with `async_save`.
+  """Rank 0's orbax ``CheckpointManager`` in `directory`, keeping the newest `keep`.
 
   Example:
     >>> import tempfile
@@ -65,8 +56,7 @@ class OrbaxStore:
     return sorted(self._manager.all_steps())
 
   def write(self, step: int, host: Any, record: dict) -> None:
-    """Hands checkpoint `step` (the host tree `host` and its JSON `record`) to orbax; call
-    `finish_pending` first. Raises what orbax raises when it cannot start."""
+    """Hands checkpoint `step` to orbax (call `finish_pending` first); raises as orbax."""
     args = self._ocp.args
     if step in self._manager.all_steps():  # an earlier attempt's (e.g. one skipped as damaged)
       self._manager.delete(step)
@@ -105,18 +95,15 @@ class OrbaxStore:
     return None
 
   def close(self) -> None:
-    """Waits for orbax and closes it; a failed write goes to stderr (no caller to raise to:
-    `mnjax.Checkpointer` closes without a collective when the ranks may not all be here)."""
+    """Waits for orbax and closes it; a failed write goes to stderr."""
     problem = self.finish_pending()
     if problem is not None:
       sys.stderr.write(f"mnjax.Checkpointer: {problem}\n")
     self._manager.close()
 
   def newest(self, template: Any) -> tuple[Any, Any]:
-    """(record, state) of the newest intact step; (None, None) with no steps,
-    (message, None) when every step is damaged, or (record, None) when the newest readable
-    record does not match `template` (`Checkpointer.restore` then raises
-    `CheckpointTemplateError`)."""
+    """(record, state) of the newest intact step; (None, None) with no steps, (message,
+    None) when all are damaged, (record, None) when the record does not match `template`."""
     steps = sorted(self._manager.all_steps(), reverse=True)
     problems = []
     args = self._ocp.args

@@ -1,6 +1,5 @@
-"""The restore template and the tree a checkpoint records: host copies, the signature
-(leaf paths, shapes, dtypes) and containers saved with each checkpoint, how a template
-differs from them, and values handed back as the template's kinds of leaf."""
+"""The restore template and the tree a checkpoint records: host copies, signatures, how a
+template differs, and values handed back as the template's kinds of leaf."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mnjax.comm._host import tree_signature
+from mnjax.comm._host._signature import tree_signature
 
 __all__ = ["is_key", "like", "signature", "structure", "target", "template_difference",
            "to_host"]
@@ -31,8 +30,7 @@ def to_host(leaf: Any) -> np.ndarray:
 
 
 def like(value: np.ndarray, template: Any) -> Any:
-  """`value` as the kind of leaf `template` is: numpy, key, a jax array placed like the
-  template (committed to its sharding, or uncommitted when the template is)."""
+  """`value` as the kind of leaf `template` is: numpy, key, or a jax array placed like it."""
   if is_key(template):
     return jax.random.wrap_key_data(value, impl=jax.random.key_impl(template))
   if isinstance(template, jax.Array):
@@ -63,8 +61,7 @@ def _short(text: str, limit: int = 160) -> str:
 
 def template_difference(record: dict, template: Any) -> str:
   """How the tree `record` describes differs from `template` ('' when it does not): leaf
-  paths (then both trees' containers), shapes, dtypes; a host scalar leaf (a Python or 0-d
-  numpy step counter) takes the dtype the jitted step gave it."""
+  paths, shapes, dtypes (a host scalar leaf may take any saved dtype)."""
   saved = record["signature"]
   leaves = jax.tree.leaves(template)
   # numpy leaves as they are: no copy of a whole sharded state's placeholders.

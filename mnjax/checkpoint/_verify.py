@@ -1,16 +1,14 @@
 """Each checkpoint's per-leaf digests: saved with it, compared when it is read back.
 
-The record of every checkpoint holds a 128-bit BLAKE2b digest per leaf of the host tree as
-written (`record_digests`, `mnjax.comm._digest`); `damaged` names the leaves whose bytes read
-back no longer match (truncated, flipped), and `mnjax.Checkpointer` then skips that
-checkpoint for the previous one.
+`record_digests` gives a 128-bit BLAKE2b digest per leaf of the host tree as written;
+`damaged` names the leaves whose bytes no longer match, and the checkpoint is skipped.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mnjax.comm._digest import compare_digests, tree_digests
+from mnjax.comm._host._digest import compare_digests, tree_digests
 
 __all__ = ["damaged", "record_digests"]
 

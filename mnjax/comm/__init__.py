@@ -1,18 +1,12 @@
-"""Layer 1 — communication: who am I, and how pytrees move between ranks.
+"""Communication: who am I, and how pytrees move between ranks — three wings.
 
-* `create_communicator` / `Communicator`: MPI rank and size, node-local ranks, the JAX
-  devices this rank drives, and a private clone of the MPI communicator (`KINDS` lists the
-  layouts).
-* In-step collectives, callable inside `jax.jit`: `allreduce_tree` fuses a pytree into
-  buckets and allreduces them in one order on every rank, optionally over a 16-bit wire
-  (`WIRE_DTYPES`, `error_bound`).
-* Host collectives, outside any trace: `broadcast` (and, under `mnjax.nn`'s
-  `allreduce_persistent` and `mnjax.train`'s metrics, exact sums), each checking first that
-  every rank passed the same tree.
-* `abort`, `install_abort_on_error`: one failing rank ends the job instead of leaving its
-  peers waiting.
-* ChainerMN's methods on `Communicator` (``comm.split``, ``comm.send``, ``comm.bcast_obj``,
-  ...) delegate to `mnjax.collectives`, imported when one is called.
+* The communicator: `create_communicator` / `Communicator` (rank, node, devices, a private
+  MPI clone; `KINDS`), with ChainerMN's host methods (``comm.split``, ``send``, ``bcast``,
+  ..., ``*_obj``) and `abort` / `install_abort_on_error`.
+* The in-step path (``mnjax/comm/_instep/``), inside `jax.jit`: `allreduce_tree`, bucketed,
+  optionally over a 16-bit wire (`WIRE_DTYPES`, `error_bound`).
+* The host path (``mnjax/comm/_host/``), outside any trace: `broadcast`, exact host sums,
+  each starting with an agreement round.
 
 Example::
 
@@ -20,13 +14,18 @@ Example::
     params = mnjax.comm.broadcast(params, comm, root=0)
 """
 
-from mnjax.comm._buckets import DEFAULT_BUCKET_BYTES, bucket_bytes_from_mb, default_bucket_bytes
-from mnjax.comm._collectives import allreduce_tree
-from mnjax.comm._communicator import KINDS, Communicator, check_communicator, create_communicator
+from mnjax.comm._communicator import KINDS, Communicator, check_communicator
+from mnjax.comm._create import create_communicator
 from mnjax.comm._failfast import abort
 from mnjax.comm._failfast import install as install_abort_on_error
-from mnjax.comm._host import broadcast
-from mnjax.comm._wire import WIRE_DTYPES, error_bound
+from mnjax.comm._host._broadcast import broadcast
+from mnjax.comm._instep._allreduce import allreduce_tree
+from mnjax.comm._instep._buckets import (
+    DEFAULT_BUCKET_BYTES,
+    bucket_bytes_from_mb,
+    default_bucket_bytes,
+)
+from mnjax.comm._instep._wire import WIRE_DTYPES, error_bound
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

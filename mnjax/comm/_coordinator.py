@@ -1,22 +1,10 @@
 """Where the ``xla`` kind's `jax.distributed` coordinator listens, chosen over MPI and checked
 from every rank before JAX waits on it.
 
-JAX's own mpi4py detection puts the coordinator at ``socket.gethostname()`` of
-``COMM_WORLD``'s rank 0 (whatever communicator mnjax was given) on a port hashed from that
-name, and nothing checks the name: where it resolves nowhere (an emulated node, a cluster
-without DNS for its nodes) or to an address another host cannot reach, every rank waits for
-the initialization timeout and then dies in C++ (SIGABRT, no Python error), or, if a
-firewall drops the packets, in whatever the launcher does. Gloo, JAX's CPU collectives, also
-binds each process to the address its own hostname resolves to and tells the peers that
-address: a hostname that maps to loopback (Debian's ``127.0.1.1``) in a job spanning hosts
-sends them to themselves.
-
-So mnjax chooses: rank 0 of mnjax's communicator listens on a free port (or on
-``JAX_COORDINATOR_ADDRESS``, JAX's own override) under its hostname; every rank resolves that
-name and its own and connects to the port (a plain TCP connect, at most `PROBE_SECONDS`);
-any failure is one error on every rank, naming the ranks and the fix, before
-`jax.distributed.initialize` (which then gets the address, the process count and ids
-explicitly, so no launcher detection runs).
+Rank 0 of mnjax's communicator listens on a free port (or ``JAX_COORDINATOR_ADDRESS``) under
+its hostname; every rank resolves that name and its own and connects (at most
+`PROBE_SECONDS`); any failure is one error on every rank, naming the ranks and the fix,
+before `jax.distributed.initialize` gets the address, process count and ids explicitly.
 """
 
 from __future__ import annotations

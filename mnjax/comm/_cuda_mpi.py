@@ -1,19 +1,10 @@
 """mpi4jax on GPUs: its CUDA extension, and an explicit choice of how buffers reach MPI.
 
-mpi4jax's CUDA handlers either hand device pointers to MPI (``MPI4JAX_USE_CUDA_MPI=1``:
-needs a CUDA-aware MPI) or copy each buffer to host memory and back around the MPI call
-(``=0``: works with every MPI, including the ``mpich`` wheel, which is not CUDA-aware). Left
-unset, mpi4jax warns and then picks copy-to-host — but it marks itself configured *before*
-warning, so under warnings-as-errors (pytest's ``-W error``) the warning raises first, the
-mode is never set, and device pointers reach an MPI that cannot read them: a segfault. With
-a CPU-only build of mpi4jax there are no CUDA handlers at all.
-
-So mnjax sets the mode itself, once, from the environment, and refuses to run the MPI kinds
-on GPUs without an explicit choice (`configure`): `mnjax.create_communicator` calls it on
-every rank for ``flat``, ``hierarchical`` and ``two_dimensional`` on GPUs, and the GPU
-lowering of `mnjax.comm._primitives` calls it too. ``scripts/activate.sh`` sets ``=0`` for the
-``mpich`` wheel. The ``xla`` kind (NCCL) does not use mpi4jax inside steps and needs none
-of this.
+``MPI4JAX_USE_CUDA_MPI=1`` hands device pointers to MPI (CUDA-aware MPI only); ``=0`` copies
+through host memory (any MPI; ``scripts/activate.sh`` sets it for the ``mpich`` wheel).
+`configure` sets the mode once from the environment and refuses the MPI kinds on GPUs without
+an explicit choice or without mpi4jax's CUDA extension; left to mpi4jax, a warnings-as-errors
+run would leave the mode unset and segfault. The ``xla`` kind needs none of this.
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from mnjax.comm import _compat as compat
+from mnjax.comm._instep import _compat as compat
 
 __all__ = ["ENV", "configure", "mpi_reports_cuda"]
 
@@ -80,9 +71,6 @@ def configure(environ=os.environ) -> bool:
 
 def mpi_reports_cuda() -> bool | None:
   """Whether the loaded MPI library says it is CUDA-aware; None when it cannot tell.
-
-  Asks MPICH's ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)`` or Open MPI's
-  ``MPIX_Query_cuda_support()``, in the libmpi this process has loaded (through mpi4py).
 
   Example:
     >>> mpi_reports_cuda()     # the mpich wheel

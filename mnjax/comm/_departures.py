@@ -1,19 +1,10 @@
 """Ranks that finished: a rank that exits normally tells the others, so none waits for it.
 
-MPI has no notion of a peer that left. A rank whose program ends normally (its loop was one
-step shorter, its model had no collective where the others have one) exits with status 0,
-and its peers wait for it in the next collective forever, printing nothing. So at a normal
-exit every rank of a multi-process job sends each peer one small message (`announce`,
-registered by `mnjax.create_communicator`), on ``MPI_COMM_WORLD`` with a tag of its own
-(point-to-point: it never matches a collective). Whoever waits for the others in mnjax's
-host collectives and checks (`mnjax.comm._agreement.gather_if_different`, which they all use)
-looks for these messages while it waits (`departed`), and raises on every waiting rank
-naming the rank that left, instead of hanging. The stall watchdog does the same for the
-in-step collectives (`mnjax.Watchdog`). An uncaught exception sends nothing: it aborts the
-job (`mnjax.comm._failfast`).
-
-Cost: one message per peer per rank, at exit (and at most `EXIT_WAIT` seconds there for
-the others' notices); nothing while the job runs.
+At a normal exit every rank of a multi-process job sends each peer one small message
+(`announce`, registered by `mnjax.create_communicator`) on ``MPI_COMM_WORLD`` with its own
+tag. Ranks waiting in mnjax's host collectives look for these (`departed`) and raise, naming
+the rank that left, instead of hanging. Cost: one message per peer at exit (waiting at most
+`EXIT_WAIT` seconds for the others'); nothing while the job runs.
 """
 
 from __future__ import annotations
@@ -61,9 +52,7 @@ def _send_and_collect() -> None:
   requests = [world.Isend(me, dest=peer, tag=_TAG)
               for peer in range(world.Get_size()) if peer != world.Get_rank()]
   MPI.Request.Waitall(requests)  # 8 bytes each: complete locally (eager), received or not
-  # Take in the peers' notices before MPI_Finalize: left unreceived there, they made the
-  # xla kind's jobs (gloo beside MPI) die at exit, 1 run in 3 under load. Ranks that end
-  # together send theirs within milliseconds; one still running is not waited for long.
+  # Take in the peers' notices before MPI_Finalize: left unreceived, xla jobs died at exit.
   deadline = time.monotonic() + EXIT_WAIT
   while len(_receive()) < world.Get_size() - 1 and time.monotonic() < deadline:
     time.sleep(1e-3)

@@ -1,29 +1,12 @@
 """Which devices a process drives: one GPU per rank, chosen before JAX opens any.
 
-Why this exists: JAX opens every GPU the launcher leaves visible and by default preallocates
-75% of each. Under ``mpirun -n 8`` on an 8-GPU node, eight processes that each drive "the
-first device" all land on GPU 0 and the other ranks run out of memory. So the choice is
-made here, from the node-local rank, and applied before JAX starts its backends: JAX is told
-to open only the chosen GPUs (``jax_cuda_visible_devices``, what ``jax.distributed`` uses for
-``local_device_ids``), and a plain ``jax.jit`` without explicit placement runs on the chosen
-device (``jax_default_device``).
-
-The rules (`plan_devices`, a pure function, unit-tested for the usual GPU layouts):
-
-* A GPU is known by its UUID (MIG slices apart), read from the CUDA driver without creating a
-  context (`gpu_inventory`). Processes on one node compare what they see: *shared* visibility (every
-  process sees the same GPUs: plain ``mpirun``) or *private* (the launcher gave each its own,
-  e.g. ``srun --gpus-per-task=1``, where every task sees its one GPU as ordinal 0).
-* ``flat`` (one device per process): shared: node-local rank *i* drives GPU *i*; private:
-  the process drives its first GPU. Two processes driving one GPU is an error on every rank
-  (``share_devices=True`` allows it, splitting the memory fraction), so is more ranks on a
-  node than GPUs.
-* Multi-device kinds: shared: the node's GPUs are split into equal contiguous slices, one per
-  process (all of them for one process per node); private: every GPU the process sees.
-* CPU devices are private to each process (``--xla_force_host_platform_device_count``
-  emulates several): multi-device kinds drive all of them (or ``local_devices``), and
-  ``flat`` drives device ``intra_rank % count``, so an emulated node places ranks the way a
-  GPU node would. CPU devices may be shared.
+The choice is made from the node-local rank and applied before JAX starts (JAX would
+otherwise open, and preallocate on, every visible GPU). GPUs are known by UUID
+(`gpu_inventory`); a node's processes see them *shared* (plain ``mpirun``) or *private*
+(``srun --gpus-per-task=1``). `plan_devices` (pure): ``flat`` drives GPU *intra_rank*
+(shared) or its first GPU (private); multi-device kinds split a shared node's GPUs into equal
+contiguous slices, or drive every private one; on CPU ``flat`` drives device
+``intra_rank % count``. Two processes on one GPU is an error unless ``share_devices=True``.
 """
 
 from __future__ import annotations
@@ -133,11 +116,8 @@ def plan_devices(kind: str, layout: Layout, *, requested: int | None = None,
 
 def gpu_inventory() -> tuple[str, ...]:
   """Identities of the NVIDIA GPUs this process can see, in CUDA ordinal order: UUIDs
-  (MIG-aware), else PCI bus ids.
-
-  Read from the CUDA driver (``libcuda``: ``cuInit``, ``cuDeviceGetUuid_v2``), which
-  applies ``CUDA_VISIBLE_DEVICES`` and the launcher's device binding but creates no context
-  and reserves no memory, so it is safe before JAX starts. Empty without a driver or GPU.
+  (MIG-aware), else PCI bus ids. Read from the CUDA driver without creating a context (safe
+  before JAX starts); empty without a driver or GPU.
 
   Example:
     >>> gpu_inventory()        # on a CPU machine
@@ -250,10 +230,8 @@ def agree(comm, fn, *args):
 
 def choose_devices(kind: str, requested: int | None, share: bool, clone, node, *,
                    started: bool, start_distributed) -> tuple:
-  """The local JAX devices this process drives (`plan_devices`); starts JAX, and for
-  ``xla`` jax.distributed (``start_distributed(local_device_ids)``), with only those GPUs
-  opened. Collective over `clone` (every rank) and `node` (this node's ranks); an error on
-  any rank is raised on all of them.
+  """The local JAX devices this process drives (`plan_devices`); starts JAX (for ``xla``
+  via `start_distributed`) with only those GPUs opened. Collective over `clone` and `node`.
 
   Example:
     >>> choose_devices("flat", None, False, comm.mpi_comm, comm.mpi_comm, started=True,
@@ -327,8 +305,7 @@ def _cpu_devices() -> list:
   try:
     available = jax.local_devices()
   except Exception as error:  # noqa: BLE001 (re-raised below with the fix)
-    # e.g. JAX_PLATFORMS=cuda where no GPU is usable (jax 0.10.2: a RuntimeError with the
-    # plugin installed, a bare AssertionError without it)
+    # e.g. JAX_PLATFORMS=cuda where no GPU is usable
     raise ValueError(
         f"create_communicator: JAX could not start its backend ({type(error).__name__}:"
         f" {error}; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}). If a GPU was"

@@ -1,16 +1,9 @@
 """One rank fails, the whole job ends: an uncaught exception aborts every rank.
 
-Without this, a rank that raises simply exits while its peers wait in the next collective
-forever (MPI has no notion of a peer that left). `install(comm)` makes an uncaught
-exception print its traceback prefixed with the rank and then call ``MPI_Abort``, which the
-launcher (mpirun, srun) turns into the end of every process with a non-zero exit — what
-``python -m mpi4py script.py`` does, without having to remember the ``-m``.
-
-`mnjax.create_communicator` installs it by default when the job has more than one process
-(``abort_on_error=False`` opts out). A rank killed outright (SIGKILL, out of memory) runs no
-Python at all: mpirun ends the job by itself, and where a launcher does not (``srun``
-without ``--kill-on-bad-exit``, ``mpiexec -disable-auto-cleanup``) the stall
-`mnjax.Watchdog` notices the silent rank and aborts.
+`install` makes an uncaught exception print its traceback prefixed with the rank, then call
+``MPI_Abort`` (as ``python -m mpi4py`` does), instead of leaving the peers waiting forever.
+`mnjax.create_communicator` installs it for multi-process jobs (``abort_on_error=False``
+opts out). A rank killed outright is left to the launcher or `mnjax.Watchdog`.
 """
 
 from __future__ import annotations
@@ -24,8 +17,7 @@ from mpi4py import MPI
 
 __all__ = ["abort", "install", "installed"]
 
-#: Seconds between printing the error and aborting: ranks that fail at the same point (bad
-#: input is usually seen by all) get to print their own message before the job ends.
+#: Seconds between printing the error and aborting, so other failing ranks print theirs.
 GRACE_SECONDS = 2.0
 
 
@@ -54,8 +46,7 @@ def _hook(exc_type, exc, tb) -> None:
 def install() -> None:
   """Makes an uncaught exception on this rank abort the whole MPI job, naming the rank.
 
-  Idempotent. Does nothing on a single-process job (there is nobody to wait for it) or in
-  an interactive session, where the interpreter survives exceptions.
+  Idempotent; nothing on a single-process job or in an interactive session.
 
   Example:
     >>> comm = mnjax.create_communicator("flat")   # installs it already, or by hand:

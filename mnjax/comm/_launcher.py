@@ -1,12 +1,8 @@
 """The launcher started N processes but MPI sees one: every process is its own job.
 
-When the launcher and the MPI library do not speak the same process-management interface
-(PMI), MPI_Init finds no peers and each process becomes a *singleton*, an MPI job of size 1,
-and trains alone, silently: ``srun --mpi=none`` (or a Slurm whose ``MpiDefault`` the MPI
-does not speak), the mpich wheel's ``mpirun`` starting a venv built against Open MPI, or
-Open MPI's ``mpirun`` starting the mpich venv. The launcher still tells each process how
-many it started, in its environment; `check_world` compares that with MPI's size and
-raises on every process (each is its own job, so each raises) naming the mismatch.
+When launcher and MPI speak different PMIs, each process becomes a size-1 MPI job and trains
+alone, silently (e.g. ``srun --mpi=none``). `check_world` compares MPI's size with the count
+the launcher put in the environment and raises on every process, naming the mismatch.
 """
 
 from __future__ import annotations
@@ -15,9 +11,8 @@ import os
 
 __all__ = ["check_world", "launched_size"]
 
-#: Where launchers put the number of processes they started, most specific first: Open MPI's
-#: mpirun, a PMI-1/PMI-2 launcher (MPICH's hydra, srun --mpi=pmi2), then Slurm's step (set
-#: inside every ``srun`` task, whatever the PMI; not in the batch script itself).
+#: Where launchers put the number of processes they started, most specific first (Open MPI,
+#: PMI-1/PMI-2, then Slurm's step, set in every ``srun`` task).
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
 
 

@@ -1,29 +1,10 @@
 """JAX's process view under the MPI kinds: a warning where a script reads it, not at start.
 
-The MPI kinds (every kind but ``xla``) do not start jax.distributed, so JAX sees one process
-on every rank: ``jax.process_index()`` is 0 and ``jax.process_count()`` is 1 everywhere.
-Ported ``pmap`` code that picks its data shard or its writing process by them (flax's
-examples, ``tfds.split_for_jax_process``, ``flax.training.checkpoints``) reads shard 0 and
-writes on every rank, silently. A correct port reads ``comm.rank``, ``comm.size`` and
-``comm.is_root`` instead and never calls them, so it must hear nothing.
-
-`watch` (run by `create_communicator`) therefore replaces ``jax.process_index`` and
-``jax.process_count`` by wrappers that return JAX's own values unchanged and warn, with a
-`UserWarning` starting ``mnjax: jax.process_index`` that points at the calling line, where
-the value is wrong:
-
-* on every rank but 0 (rank 0 *is* process 0; it is also where mnjax runs orbax, which reads
-  both, in background threads too): a script's wrong call runs on every rank, so the other
-  ranks catch it;
-* once per calling line (Python's warning registry), and never for mnjax's own calls.
-
-Not seen: a reference taken before `create_communicator` (``from jax import
-process_index``), and a call made on rank 0 only; and on a rank that is rank 0 of a group
-(`mnjax.collectives.split`), where a `mnjax.Checkpointer` of the group runs orbax, orbax's own
-calls (`watch_group`). Silence it with
-``warnings.filterwarnings('ignore', message='mnjax: jax.process_index')``. JAX's internals
-call their own functions (``jax._src.xla_bridge``), not these module attributes, so nothing
-changes for them.
+The MPI kinds do not start jax.distributed, so ``jax.process_index()`` is 0 and
+``jax.process_count()`` 1 on every rank. `watch` (run by `create_communicator`) wraps both:
+they return JAX's values unchanged and, on every rank but 0, warn once per calling line (a
+`UserWarning` starting ``mnjax: jax.process_index``), never for mnjax's own calls. Silence it
+with ``warnings.filterwarnings('ignore', message='mnjax: jax.process_index')``.
 """
 
 from __future__ import annotations
@@ -42,8 +23,7 @@ _QUIET = ["mnjax"]  # the packages whose calls never warn (and orbax on a group'
 def watch(comm) -> None:
   """Warn from now on where this rank's code reads JAX's (wrong) process index or count.
 
-  Nothing to do for ``xla`` (jax.distributed runs: JAX's view is the job's), for one
-  process, on rank 0, or once JAX already counts the job's processes.
+  Nothing to do for ``xla``, for one process, on rank 0, or once JAX counts the processes.
 
   Example:
     >>> watch(comm)   # one process: nothing is replaced
@@ -62,9 +42,8 @@ def watch(comm) -> None:
 
 
 def watch_group(group) -> None:
-  """Called for each group made by `mnjax.collectives.split`: on the group's rank 0, where a
-  `mnjax.Checkpointer` of the group writes through orbax (whose threads read JAX's process
-  view, and whose saves run on rank 0 of the job without warning), orbax's calls stay quiet.
+  """For each group made by `mnjax.Communicator.split`: on the group's rank 0 (where its
+  checkpointer runs orbax), orbax's calls stay quiet.
 
   Example:
     >>> watch_group(comm)   # rank 0 of its group: orbax's calls on this process stay quiet

@@ -1,7 +1,7 @@
 """Which ranks share a node, and where each node sits among the nodes.
 
 `create_communicator` splits its ranks by node (MPI's shared-memory split, or
-``MNJAX_EMULATE_NODES``'s consecutive ranks) and numbers the nodes; `mnjax.collectives.split`
+``MNJAX_EMULATE_NODES``'s consecutive ranks) and numbers the nodes; `mnjax.Communicator.split`
 numbers the nodes of a group of ranks from the parent's. Both read the topology here.
 """
 
@@ -19,8 +19,7 @@ EMULATE_NODES = "MNJAX_EMULATE_NODES"
 
 def node_split(clone: MPI.Intracomm) -> MPI.Intracomm:
   """The processes on this node: MPI's shared-memory split, or with ``MNJAX_EMULATE_NODES=k``
-  (a testing aid) ``k`` nodes of consecutive ranks, so one host can play a small cluster.
-  Collective over `clone`.
+  ``k`` nodes of consecutive ranks. Collective over `clone`.
 
   Example:
     >>> node = node_split(comm.mpi_comm)        # one process: its own node
@@ -42,8 +41,8 @@ def node_split(clone: MPI.Intracomm) -> MPI.Intracomm:
 
 
 def node_topology(clone: MPI.Intracomm, node: MPI.Intracomm) -> tuple[int, int, int, int]:
-  """``(intra_rank, intra_size, inter_rank, inter_size)`` of this rank, from its node's
-  communicator `node` (a split of `clone` by node). Collective over `clone` and `node`.
+  """``(intra_rank, intra_size, inter_rank, inter_size)`` of this rank, from `node` (a split
+  of `clone` by node). Collective over `clone` and `node`.
 
   Example:
     >>> node = comm.mpi_comm.Split(color=0, key=comm.rank)    # one node

@@ -1,17 +1,9 @@
 """The ranks must agree on what decides which examples each of them reads.
 
-Every rank cuts its share of the data locally, from a few values — the dataset size, the
-seed, the epoch, the global batch, the options — and nothing moves between ranks. So one
-value that differs on one rank (a seed derived from the rank, a split filtered differently, a
-per-rank config) changes the partition silently: in one epoch of the digits, a different
-seed on one rank of two reads 68 examples twice and 68 never, and a different batch or start
-makes the ranks run different numbers of steps, which ends in a hang. `check_same_plan`
-compares those values across ranks once per call of `scatter_index`, `scatter_dataset`,
-`epoch_batches` and `mnjax.data.Loader` (at construction and per ``epoch``) — once per epoch
-in the training loops, never per batch — with the host check every mnjax collective uses
-(`mnjax.comm._agreement.gather_if_different`: one allgather of a 16-byte hash, the values only on
-a mismatch), and raises the same `ValueError` on every rank, naming each differing value and
-the ranks that passed it. At ``comm.size == 1`` there is nothing to compare and no round.
+`check_same_plan` compares those values (dataset size, seed, epoch, global batch, options)
+across ranks once per call of `scatter_index`, `scatter_dataset`, `epoch_batches` and
+`mnjax.data.Loader` (one allgather of a hash, values only on a mismatch; nothing at size 1)
+and raises the same `ValueError` on every rank, naming each differing value and its ranks.
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._host import gather_if_different
+from mnjax.comm._host._agreement import gather_if_different
 
 __all__ = ["check_same_plan"]
 
@@ -85,7 +77,8 @@ def check_same_plan(comm: Communicator, caller: str, values: dict[str, Any],
     return
   plan = tuple((label, _canonical(value)) for label, value in values.items())
   everyone = gather_if_different(
-      comm, plan, what=f"{caller}'s check of the data order", timeout=TIMEOUT,
+      comm, f"{caller}'s data order", plan, what=f"{caller}'s check of the data order",
+      timeout=TIMEOUT,
       timeout_message=(
           f"{caller}: rank {comm.rank} waited {TIMEOUT:.0f} s for the other ranks to compare"
           f" {', '.join(values)}, and not all of them came. Every rank must call {caller}"

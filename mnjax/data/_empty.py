@@ -1,12 +1,8 @@
 """`create_empty_dataset`: a dataset for the ranks of a multi-node model that take no input.
 
-In a model split over ranks (`mnjax.functions`' ``recv`` at the start of a stage, ``send``
-at its end) only the first stage reads examples, yet every rank must run the same number
-of steps, or one would wait forever in a send the others never match. ChainerMN gives those
-ranks ``create_empty_dataset(dataset)``: as long as the real one, every example ``()``. Here
-it is a `Sequence` that also takes the index arrays mnjax's batches are cut with
-(`mnjax.epoch_batches`, `mnjax.scatter_index`), so the empty rank runs the very loop the
-first stage runs.
+Every rank must run the same number of steps, so a rank whose stage starts with ``recv``
+iterates an `EmptyDataset` as long as the real one (every example ``()``), indexed with the
+same index arrays (`mnjax.epoch_batches`, `mnjax.scatter_index`) as the first stage.
 """
 
 from __future__ import annotations
@@ -65,9 +61,7 @@ class EmptyDataset(Sequence):
 def create_empty_dataset(dataset: Any) -> EmptyDataset:
   """A dataset as long as `dataset` whose every example is ``()`` (ChainerMN's).
 
-  For the ranks of a model split over ranks that take no input: they iterate it exactly as
-  the rank that reads `dataset` does, so every rank runs the same steps. Local (no
-  communication).
+  For the ranks that take no input, so every rank runs the same steps. Local.
 
   Args:
     dataset: an array, a pytree of arrays sharing their leading dimension, or a sequence

@@ -1,20 +1,10 @@
 """The same batches on every rank: ChainerMN's multi-node and synchronized iterators.
 
-Data parallelism hands each rank its own examples. A model split over ranks (a
-sequence-to-sequence model whose encoder and decoder live on two ranks, `mnjax.functions`)
-needs the opposite: every rank sees the *same* batch at each step, the encoder its inputs
-and the decoder their targets. ChainerMN has two ways, kept here:
-
-* `create_multi_node_iterator`: one rank (``rank_master``) iterates its batches and
-  broadcasts each to the others (any iterable of pytrees of arrays, e.g. a `Loader` epoch;
-  the others need no data). Per step: one small pickled header (the batch's structure,
-  shapes and dtypes, or the end, or the master's error, which every rank then raises), then
-  the arrays through `mnjax.broadcast`. Every rank stops at the same step.
-* `create_synchronized_iterator`: nothing moves per step. Every rank holds the dataset and
-  cuts the same batches from the same permutation: ``seed=None`` has rank 0 draw the seed
-  and broadcast it (ChainerMN's), an int is compared across ranks (as every order-deciding
-  value in `mnjax.data._agreement`). The batches are `mnjax.data.global_batch_slices` of a
-  single "process", so each is a consecutive chunk of the epoch's permutation.
+* `create_multi_node_iterator`: rank ``rank_master`` iterates its batches and broadcasts
+  each (a pickled header, then the arrays through `mnjax.broadcast`); every rank stops at
+  the same step, and an error of the master's iterator is raised on every rank.
+* `create_synchronized_iterator`: every rank holds the dataset and cuts the same batches
+  from the same permutation; nothing moves per step.
 """
 
 from __future__ import annotations
@@ -26,7 +16,7 @@ import jax
 import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._host import broadcast
+from mnjax.comm._host._broadcast import broadcast
 from mnjax.data._agreement import check_same_plan
 from mnjax.data._sharding import _is_int, _order_values, _slices
 
@@ -37,17 +27,13 @@ def create_multi_node_iterator(batches: Iterable[Any] | None, comm: Communicator
                                rank_master: int = 0) -> Iterator[Any]:
   """Rank `rank_master`'s batches, broadcast to every rank, one per step (ChainerMN's).
 
-  The master iterates `batches`; the other ranks ignore theirs (pass None) and receive each
-  batch. Every rank gets the same values as numpy arrays in the same pytree, and the
-  iterator ends on every rank at the same step: iterate it in lockstep on every rank (a rank
-  that stops early leaves the others waiting). Collective at creation (the ranks compare
-  `rank_master`; the master says whether `batches` is iterable) and at each step. An error
-  of the master's iterator, or a batch that is not a pytree of arrays (numbers, fixed-width
-  strings), raises on every rank.
+  Every rank gets the master's batches as numpy arrays in the same pytree, and the iterator
+  ends on every rank at the same step: iterate it in lockstep on every rank. Collective at
+  creation and at each step. An error of the master's iterator, or a batch that is not a
+  pytree of arrays, raises on every rank.
 
   Args:
-    batches: on `rank_master`, an iterable of batches: pytrees (tuples, dicts, named tuples)
-      of arrays or numbers. Ignored on the other ranks.
+    batches: on `rank_master`, an iterable of pytrees of arrays; ignored elsewhere.
     comm: the `Communicator`.
     rank_master: the rank that reads the data (the same on every rank).
 
@@ -136,13 +122,10 @@ def create_synchronized_iterator(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """The same ``(indices, mask)`` batches on every rank, in one shuffled order (ChainerMN's).
 
-  Every rank holds the dataset of `n` examples and iterates the same batches of
-  `batch_size` indices, each a consecutive chunk of one permutation drawn from
-  ``(seed, epoch)``; nothing moves per step. ``seed=None`` (ChainerMN's): rank 0 draws a
-  seed and broadcasts it, so the order is new at every call and the same everywhere.
-  Collective when called: the ranks compare `n`, `batch_size`, `shuffle`, `seed`, `epoch`
-  and `drop_remainder` (a value that differs on one rank raises on every rank), then, with
-  ``seed=None``, rank 0 broadcasts its seed.
+  Each batch is a consecutive chunk of one permutation drawn from ``(seed, epoch)``; nothing
+  moves per step. Collective when called: the ranks compare the arguments (a value that
+  differs on one rank raises on every rank), then, with ``seed=None``, rank 0 broadcasts a
+  seed it draws (ChainerMN's), so the order is new at every call and the same everywhere.
 
   Args:
     n: number of examples (at least 1).

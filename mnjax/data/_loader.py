@@ -1,29 +1,11 @@
 """This rank's batches of a random-access source, prepared in the background.
 
-`Loader` cuts an epoch of a `mnjax.data.Source` into global batches exactly as
-`mnjax.epoch_batches` does (both call the same function: each global batch a consecutive
-chunk of a permutation drawn from ``(seed, epoch)``, process ``r`` its ``r``-th slice, its
-local devices that slice in order), so an ImageNet run and the main job shard alike and a
-step's examples do not depend on how replicas group into processes. It reads and
-preprocesses the examples in a pool of worker threads (reading ArrayRecord, decoding JPEG
-and resizing with Pillow release the GIL) and keeps ``prefetch`` batches ready in a queue,
-so the device is fed while the previous step runs. ``loader.wait_seconds`` is the time the
-training loop spent waiting for input: near zero means input is not the bottleneck.
-
-Training (``train=True``): shuffled, full global batches only (the epoch's last
-``n mod global batch`` examples of the permutation wait for a later epoch). Evaluation: the
-dataset in order, the last global batch padded and masked, so every example counts exactly
-once over all ranks. Either way every rank runs the same number of steps (a rank that
-stopped early would leave the others waiting in a collective).
-
-Each example's augmentation draws from ``np.random.default_rng([seed, epoch, index])``: the
-same on any rank, any number of workers, any run.
-
-The ranks compare what decides their batches (`mnjax.data._agreement`): the dataset size,
-``batch_size``, ``train`` and, for training, ``seed`` when a `Loader` is built, and those
-with ``epoch`` and ``start`` at every ``epoch`` call (one small host round each, none at size
-1, none per batch); a value that differs on one rank raises on every rank. ``steps`` and
-``indices`` are local and communicate nothing.
+`Loader` cuts an epoch of a `mnjax.data.Source` into global batches as `mnjax.epoch_batches`
+does (the same function), reads and preprocesses the examples in worker threads, and keeps
+``prefetch`` batches ready in a queue. ``loader.wait_seconds`` is the time the training
+loop spent waiting for input. Training: shuffled, full global batches only. Evaluation: in
+order, the last global batch padded and masked. Each example's augmentation draws from
+``np.random.default_rng([seed, epoch, index])``, the same on any rank and any run.
 """
 
 from __future__ import annotations
@@ -46,8 +28,7 @@ __all__ = ["Batch", "Loader"]
 
 
 class Batch(NamedTuple):
-  """One process batch: float32 NHWC images, int32 labels, bool mask (False: padding), and
-  the examples' indices into the source."""
+  """One process batch: float32 NHWC images, int32 labels, mask (False: padding), indices."""
 
   images: np.ndarray
   labels: np.ndarray
@@ -58,16 +39,15 @@ class Batch(NamedTuple):
 class Loader:
   """Iterates this rank's batches of `source`, one epoch per `epoch` call.
 
-  Collective at construction and at each `epoch` call (a comparison of the values above
-  across ranks): build it and call `epoch` on every rank.
+  Collective at construction and at each `epoch` call (the ranks compare what decides
+  their batches): build it and call `epoch` on every rank.
 
   Args:
     source: random access, ``len(source)`` and ``source[i] -> (uint8 image, label)``.
     comm: the `Communicator`.
     batch_size: examples per step on this process (`mnjax.local_batch_size` of the global
       batch, which is ``batch_size * comm.size``); a multiple of ``comm.local_device_count``.
-    transform: ``transform(image, rng) -> float32 array`` of one fixed shape
-      (`mnjax.data.augment.transforms`).
+    transform: ``transform(image, rng) -> float32 array`` of one fixed shape.
     train: shuffle, full global batches only (else: in order, padded, masked).
     seed: seed of the permutation and of the augmentation.
     prefetch: batches kept ready ahead of the training loop.
@@ -130,8 +110,7 @@ class Loader:
     return indices.reshape(-1), mask.reshape(-1)
 
   def steps(self, epoch: int = 0) -> int:
-    """Steps every rank runs in `epoch`: full global batches (training), or all of them with
-    the last one padded (evaluation)."""
+    """Steps every rank runs in `epoch` (the same on every rank)."""
     return len(self._plan(epoch)[0])
 
   def _example(self, epoch: int, index: int) -> tuple[np.ndarray, int]:
@@ -142,10 +121,8 @@ class Loader:
   def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
     """This rank's batches of `epoch`, prepared `prefetch` batches ahead in the background.
 
-    ``start`` skips the epoch's first batches without reading them: resuming mid-epoch
-    from a checkpoint yields exactly the batches the interrupted run had not reached.
-    Collective when called (not when first iterated): the ranks compare `epoch`, `start`
-    and the loader's settings.
+    ``start`` skips the epoch's first batches without reading them (resuming mid-epoch).
+    Collective when called (not when first iterated).
     """
     check_same_plan(self.comm, "Loader.epoch", self._values(epoch=epoch, start=start))
     plan = list(zip(*self._plan(epoch)))

@@ -1,22 +1,12 @@
 """`scatter_dataset`: this rank's shard of a dataset that every rank holds, or the root alone.
 
-ChainerMN's ``scatter_dataset(dataset, comm, root=0, shuffle=...)`` reads the dataset of rank
-``root`` only (the others may pass None) and hands every rank its block. mnjax keeps two
-ways, with one definition of the blocks (`mnjax.data.shard_indices`, `scatter_index`'s):
+* ``root=None`` (default): every rank holds the dataset; nothing is sent, the ranks compare
+  its size and the options, and each indexes its own copy.
+* ``root=r`` (ChainerMN's): only rank ``r`` holds it; it broadcasts the size (or why it
+  cannot be scattered) and sends each rank its examples, pickled with `mpi4py.util.pkl5`.
 
-* **every rank holds the dataset** (``root=None``, the default): nothing is sent; the ranks
-  compare its size with the options (`mnjax.data._agreement`, one 16-byte round) and each
-  indexes its own copy;
-* **only** ``root`` **holds it** (``root=r``): the ranks compare the options and the root, the
-  root broadcasts what it holds (size and kind, or why it cannot be scattered: then every
-  rank raises the same error), and sends each rank only that rank's examples, pickled with
-  protocol 5 (`mpi4py.util.pkl5`: numpy buffers out of band, messages above 2 GiB). A rank's
-  shard is the same as with ``root=None`` on the root's data: the same permutation from
-  ``(seed, epoch)``, the same ``force_equal_length`` blocks and mask.
-
-The ways a dataset can come (`dataset_length`, `take`) are shared with
-`mnjax.data.create_empty_dataset`: an array, a pytree of arrays sharing their leading
-dimension, or a sequence with ``len`` and ``[]``.
+Both give the shards of `mnjax.data.shard_indices` (`scatter_index`'s). `dataset_length` and
+`take` accept an array, a pytree of arrays sharing their leading dimension, or a sequence.
 """
 
 from __future__ import annotations
@@ -45,8 +35,7 @@ TAG = 0x5CA7
 
 
 def dataset_length(dataset: Any, caller: str) -> tuple[int, bool]:
-  """``(number of examples, whether it is arrays)``; `TypeError`/`ValueError` if it is not a
-  dataset. Local: raise it on every rank, or route it through a round (as below).
+  """``(number of examples, whether it is arrays)``; `TypeError`/`ValueError` if not a dataset.
 
   Example:
     >>> dataset_length((np.zeros((5, 2)), np.arange(5)), "doc"), dataset_length("abc", "doc")
@@ -87,28 +76,21 @@ def scatter_dataset(dataset: Any, comm: Communicator, *, root: int | None = None
   """This rank's shard of `dataset`: ``dataset[scatter_index(len(dataset), comm, ...)]``.
 
   ChainerMN's `scatter_dataset`. By default every rank holds the dataset and nothing is
-  sent (the ranks compare its size, like the other options, and raise on every rank if it
-  differs). With ``root=r`` only rank ``r``'s `dataset` is read (the others pass None: theirs
-  is ignored, as in ChainerMN) and rank ``r`` sends each rank its examples; the shards are
-  those ``root=None`` gives on the root's data. An empty dataset gives empty shards; one
-  smaller than the number of ranks gives duplicated shards with `force_equal_length`
-  (marked by `return_mask`), empty ones without. Collective: call it on every rank.
+  sent. With ``root=r`` only rank ``r``'s `dataset` is read (the others pass None) and rank
+  ``r`` sends each rank its examples, the same shards as ``root=None`` on its data.
+  Collective: call it on every rank.
 
   Args:
-    dataset: a numpy array, a pytree of arrays sharing their leading dimension (e.g. a tuple
-      ``(images, labels)`` or a dict), or any sequence with ``len`` and ``[]``; with `root`,
-      only the root's is read.
+    dataset: an array, a pytree of arrays sharing their leading dimension, or any sequence
+      with ``len`` and ``[]``; with `root`, only the root's is read.
     comm: the `Communicator`.
-    root: None (every rank holds the dataset) or the rank that alone holds it (the same on
-      every rank).
+    root: None (every rank holds the dataset) or the rank that alone holds it.
     shuffle, seed, epoch, force_equal_length: as in `scatter_index`.
     return_mask: also return `scatter_index`'s mask (False on duplicates).
 
   Returns:
-    The shard. Every rank holds the dataset: of the same kind (arrays are indexed, other
-    sequences become `SubDataset`). From `root`: the root's arrays indexed (numpy arrays on
-    the other ranks), or a list of the examples of a sequence. ``(shard, mask)`` with
-    `return_mask`.
+    The shard (arrays indexed; a sequence as a `SubDataset`, or a list from `root`), or
+    ``(shard, mask)`` with `return_mask`.
 
   Example:
     >>> x, y = np.arange(20).reshape(10, 2), np.arange(10)

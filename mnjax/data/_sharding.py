@@ -1,30 +1,15 @@
 """Data sharding: which examples each rank reads, and in what order.
 
-Every rank computes the same permutation of the dataset from ``(seed, epoch)`` — no
-communication — and takes its part of it. There are two ways to take a part:
+Every rank computes the same permutation from ``(seed, epoch)``, without communication, and
+takes its part of it, in one of two ways:
 
-* `epoch_batches` / `global_batch_slices` — **the training order**, used by the main job
-  (`epoch_batches`) and by `mnjax.data.Loader` alike. Each *global* batch is a consecutive
-  chunk of the permutation; process ``r`` of ``size`` takes the ``r``-th slice of it and its
-  local devices split that slice in order. So replica ``j = r * devices + d`` sees the same
-  examples whatever the grouping: 4 processes x 1 device, 2 x 2 and 1 x 4 train alike, and
-  all equal one process on the global batch.
-* `scatter_index` (and `mnjax.scatter_dataset`, in `mnjax.data._scatter`) — ChainerMN's
-  API and split: each rank gets one contiguous block of the permutation (`shard_bounds`,
-  `shard_indices`). With ``force_equal_length``,
-  ChainerMN's default, ``ceil(n / size)`` indices from ``floor(n * rank / size)`` on, so a
-  short block ends with the next rank's first examples (duplicates) and every rank runs the
-  same number of steps; ``return_mask=True`` marks those duplicates so that an evaluation
-  can weight them 0. Without it, an exact partition whose first ``n % size`` ranks get one
-  example more. An empty dataset, or fewer examples than ranks, scatters as ChainerMN's
-  does (empty or duplicated shards, masked); `epoch_batches` and `mnjax.data.Loader` refuse
-  an empty dataset, and training needs one full global batch. A rank's block depends on
-  ``size``, so batches cut from it change with the grouping: use it to hand each rank its
-  own data, not to cut global batches.
-
-The functions given a `comm` (and `mnjax.data.Loader`) first compare across ranks what
-decides the partition (`mnjax.data._agreement`): a value that differs on one rank raises
-on every rank. `global_batch_slices` and `shard_bounds` are pure.
+* `epoch_batches` / `global_batch_slices`: the training order (also `mnjax.data.Loader`'s).
+  Each global batch is a consecutive chunk of the permutation, process ``r`` takes its
+  ``r``-th slice and its local devices split that slice in order, so a step's examples do
+  not depend on how replicas group into processes.
+* `scatter_index` (and `mnjax.scatter_dataset`): ChainerMN's split, one contiguous block of
+  the permutation per rank (`shard_bounds`, `shard_indices`); it depends on ``size``, so use
+  it to hand each rank its own data, not to cut global batches.
 
 Example:
   >>> idx, mask = mnjax.data.global_batch_slices(8, 4, rank=1, size=2, shuffle=False)
@@ -96,11 +81,6 @@ def shard_bounds(n: int, rank: int, size: int, *,
   """ChainerMN's block of rank `rank` of `size`: positions ``[begin, end)`` of the
   permutation, of which ``[begin, real_end)`` are this rank's own (the rest: duplicates).
 
-  ``force_equal_length``: ``ceil(n / size)`` positions from ``floor(n * rank / size)`` on;
-  the own ones end where the next rank's begin. Else: an exact partition, the first
-  ``n % size`` ranks one example more. Either way the own parts of ranks ``0 .. size - 1``,
-  concatenated, are ``range(n)``.
-
   Example:
     >>> [shard_bounds(10, r, 3, force_equal_length=False)[:2] for r in range(3)]
     [(0, 4), (4, 7), (7, 10)]
@@ -128,26 +108,19 @@ def scatter_index(
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
   """This rank's contiguous block of indices into a dataset of `n` examples (ChainerMN's).
 
-  The union over ranks covers ``range(n)``. The order is a permutation drawn from
-  ``(seed, epoch)`` when `shuffle`, identical on every rank, so shards change every epoch
-  and are reproducible. The block depends on ``comm.size``: to cut global batches that do
-  not depend on how replicas group into processes, use `epoch_batches`. The ranks first
-  compare `n`, `shuffle`, `seed`, `epoch` and `force_equal_length` (one small host round;
-  none at size 1): a value that differs on one rank raises `ValueError` on every rank, so
-  call it on every rank.
+  The union over ranks covers ``range(n)``; with `shuffle` the order is a permutation drawn
+  from ``(seed, epoch)``, the same on every rank. Collective: the ranks first compare the
+  arguments, and a value that differs on one rank raises `ValueError` on every rank.
 
   Args:
-    n: number of examples (any ``n >= 0``, as in ChainerMN: 0 gives empty shards, fewer
-      examples than ranks duplicated ones with `force_equal_length`, empty ones without).
+    n: number of examples (any ``n >= 0``; few examples give duplicated or empty shards).
     comm: the `Communicator`.
     shuffle: permute before splitting.
     seed: base seed of the permutation, an int (the same on every rank).
     epoch: epoch number; a new permutation per epoch.
-    force_equal_length: ChainerMN's split (`shard_bounds`): ``ceil(n / size)`` indices
-      each, a short block ending with the next rank's first examples (duplicates).
-      ``False``: an exact partition, the first ``n % size`` ranks one example more.
-    return_mask: also return a bool array, False where an index is a duplicate (so that
-      the unmasked indices of all ranks are each example once).
+    force_equal_length: ChainerMN's split: ``ceil(n / size)`` indices each, a short block
+      ending with the next rank's first examples. ``False``: an exact partition.
+    return_mask: also return a bool array, False where an index is a duplicate.
 
   Returns:
     int64 indices, or ``(indices, mask)`` when `return_mask`.
@@ -179,8 +152,7 @@ def _scatter_index(n: Any, comm: Communicator, *, shuffle: bool, seed: Any, epoc
 def shard_indices(n: int, rank: int, size: int, *, shuffle: bool, seed: Any, epoch: Any,
                   force_equal_length: bool, caller: str,
                   order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """Rank `rank`'s ``(indices, mask)`` of `scatter_index`, without communication (pure).
-  `order`: the epoch's permutation, when the caller has drawn it already (for every rank).
+  """Rank `rank`'s ``(indices, mask)`` of `scatter_index`, pure; `order`: a drawn permutation.
 
   Example:
     >>> shard_indices(5, 2, 3, shuffle=False, seed=0, epoch=0, force_equal_length=True,
@@ -218,8 +190,7 @@ class SubDataset(Sequence):
 def local_batch_size(global_batch_size: int, comm: Communicator) -> int:
   """The per-process batch size for a global batch, checked to split evenly.
 
-  Pure arithmetic on ``comm``'s sizes, no communication: `epoch_batches` and
-  `mnjax.data.Loader` compare the global batch across ranks.
+  Pure arithmetic on ``comm``'s sizes, no communication.
 
   Example:
     >>> mnjax.local_batch_size(128, comm) * comm.size    # 32 under mpirun -n 4
@@ -282,12 +253,9 @@ def global_batch_slices(
 ) -> tuple[np.ndarray, np.ndarray]:
   """Process `rank` of `size`'s slice of every global batch of an epoch, as arrays.
 
-  The one definition of the training order (`epoch_batches` and `mnjax.data.Loader` both
-  use it): global batch ``s`` is positions ``[s * B, (s + 1) * B)`` of the epoch's
-  permutation (drawn from ``(seed, epoch)`` as in `scatter_index`), and process ``rank``
-  takes its ``rank``-th slice of ``B / size`` examples, which its local devices split in
-  order. Concatenating the slices of ranks ``0 .. size - 1`` gives the global batch, for
-  any `size`: a pure function, so that property can be checked without launching ranks.
+  Global batch ``s`` is positions ``[s * B, (s + 1) * B)`` of the epoch's permutation, and
+  process ``rank`` takes its ``rank``-th slice of ``B / size`` examples. Concatenating the
+  slices of ranks ``0 .. size - 1`` gives the global batch, for any `size`. Pure.
 
   Args:
     n: number of examples (at least 1; training needs at least ``B``).
@@ -298,8 +266,7 @@ def global_batch_slices(
     seed: base seed of the permutation (the same on every rank).
     epoch: epoch number; a new permutation per epoch.
     drop_remainder: full global batches only (training). ``False`` (evaluation): the last
-      global batch is padded with index 0, masked False, so that a masked sum over every
-      step of every rank counts each example exactly once, with one static batch shape.
+      global batch is padded with index 0, masked False, so each example counts once.
 
   Returns:
     ``(indices, mask)``: int64 and bool arrays of shape ``(steps, B // size)``.
@@ -326,20 +293,11 @@ def epoch_batches(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """This process's ``(indices, mask)`` per step; the same step count on every rank.
 
-  The rows of `global_batch_slices` for ``comm.rank`` of ``comm.size``: each global batch
-  is a consecutive chunk of the epoch's permutation and process ``r`` takes its ``r``-th
-  slice (its local devices then split that slice in order). So the examples of every step,
-  and the replica that sees each one, do not depend on how the replicas are grouped into
-  processes and devices: 4 processes x 1 device and 2 x 2 train identically, and both
-  equal one process on the global batch. The arguments are checked when it is called, and
-  first compared across ranks (`n`, `global_batch_size`, `shuffle`, `seed`, `epoch`,
-  `drop_remainder`: one small host round per call, none at size 1, so call it on every rank,
-  once per epoch): a value that differs on one rank raises `ValueError` on every rank.
-
-  Training (``drop_remainder=True``): full global batches only. Evaluation
-  (``drop_remainder=False``): the last global batch is padded (index 0, mask False), so a
-  masked sum over all steps of all ranks counts every example exactly once, with one static
-  batch shape (no recompilation).
+  The rows of `global_batch_slices` for ``comm.rank`` of ``comm.size``, so the examples of
+  every step do not depend on how replicas group into processes (4 x 1 trains like 2 x 2).
+  Collective, once per epoch on every rank: the arguments are compared across ranks, and a
+  value that differs on one rank raises `ValueError` on every rank. ``drop_remainder=False``
+  (evaluation) pads the last global batch (index 0, mask False).
 
   Example:
     >>> x, y = np.zeros((100, 8, 8, 1)), np.arange(100)

@@ -1,30 +1,17 @@
 """Image classification datasets by name: the one registry, and its in-memory float view.
 
-``open_source(name, split)`` returns a `Source`: ``len(source)`` and ``source[i]`` (a uint8
-HWC image and an int label), plus ``num_classes``. Random access is what lets every rank read
-only its own examples (`mnjax.data.Loader`) without reading the rest. Every dataset is opened
-here, and only here:
+``open_source(name, split)`` returns a random-access `Source`: ``source[i]`` is a uint8 HWC
+image and an int label. The sources (`SOURCES`):
 
-* ``digits``: the UCI handwritten digits (1,797 grayscale 8x8 images, 10 classes) that
-  scikit-learn ships inside its wheel — a real dataset that needs no download, so the main
-  job and the tests run on any machine. The split is fixed: a stratified 80/20 split drawn
-  with seed 0 (1,438 train, 359 test), identical on every rank and every run. The 17 gray
-  levels (0..16) are stored as uint8 0..255, like every other source.
-* ``mnist``, ``cifar10``, ``imagenet2012``: tensorflow-datasets' ``tfds.data_source``
-  (ArrayRecord files, no TensorFlow needed). Prepare a dataset once, on a machine that has
-  it (ImageNet needs its archives in ``<data_dir>/downloads/manual``)::
+* ``digits``: scikit-learn's UCI digits (8x8, 10 classes), offline; a fixed stratified
+  80/20 split with seed 0 (1,438 train, 359 test).
+* ``mnist``, ``cifar10``, ``imagenet2012``: tensorflow-datasets' ``tfds.data_source``,
+  prepared once as ArrayRecord (``tfds build NAME --data_dir DIR --file_format
+  array_record``) and never downloaded at run time.
+* ``synthetic``: ImageNet-shaped random images, generated per index from a seed.
 
-      pip install 'mnjax[data]'
-      tfds build imagenet2012 --data_dir /shared/tfds --file_format array_record
-
-  then pass ``--data_dir /shared/tfds``. Nothing is ever downloaded at run time: a dataset
-  that is not prepared raises an error saying the above.
-* ``synthetic``: ImageNet-shaped random images (1000 classes), generated per index from a
-  seed: for throughput runs without data.
-
-The small jobs hold a whole split in memory as floats: `load` (``load_digits`` for short)
-returns a `Split` — float32 NHWC images in [0, 1] and int32 labels — which is `as_split` of
-the `Source`, not a second loader. `DATASETS` names the sources small enough for that.
+`load` (``load_digits``) holds a small split (`DATASETS`) in memory as a float32 `Split`:
+`as_split` of the `Source`.
 
 Example:
   >>> train = mnjax.data.load("digits", "train")
@@ -118,7 +105,6 @@ def _digits(split: str) -> _Arrays:
 
   raw = _sklearn_digits()
   labels = raw.target.astype(np.int32)
-  # Stratified split: per class, a seeded permutation; 20% of each class goes to test.
   rng = np.random.default_rng(0)
   test = np.zeros(len(labels), bool)
   for c in range(10):
@@ -204,8 +190,7 @@ def _open_tfds(name: str, split: str, data_dir: str | None) -> Source:
 def as_split(source: Source) -> Split:
   """The whole `source` in memory: float32 NHWC images in [0, 1] (uint8 / 255), int32 labels.
 
-  Reads every example once (in-memory sources without copying them one by one); meant for
-  small datasets (`DATASETS`), not for ImageNet.
+  Meant for small datasets (`DATASETS`), not for ImageNet.
 
   Example:
     >>> split = mnjax.data.as_split(mnjax.data.open_source("digits", "test"))

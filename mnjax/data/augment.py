@@ -1,14 +1,9 @@
 """Per-example image preprocessing on the host: crops, flips, resizing, normalisation.
 
-Pure functions of ``(image, rng)`` in numpy (resizing through Pillow, from the ``data``
-extra), so a loader can run them in worker threads and get the same result for the same
-``rng`` on any rank. The standard recipes:
-
-* ImageNet (Goyal et al. 2017, torchvision): train = random-resized crop (8%-100% of the
-  area, aspect 3/4-4/3) + horizontal flip; eval = resize the short side to size/0.875 and
-  center crop.
-* CIFAR-10: train = 4-pixel zero padding, random 32x32 crop, flip; eval = as is.
-* MNIST / digits: as is.
+Pure numpy functions of ``(image, rng)`` (resizing through Pillow), so loader threads get
+the same result for the same ``rng`` on any rank. `transforms` gives the standard recipes:
+ImageNet (random-resized crop and flip; eval: resize and center crop), CIFAR-10 (pad 4,
+random crop, flip), MNIST / digits (as is).
 
 Example:
   >>> train, evaluate = mnjax.data.augment.transforms("imagenet2012", image_size=224)

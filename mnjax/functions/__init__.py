@@ -1,23 +1,17 @@
 """Differentiable communication inside a jitted step: ChainerMN's ``chainermn.functions``.
 
-For model parallelism, where each rank holds part of a model and activations travel
-between ranks inside every rank's own step:
+For model parallelism, where activations travel between ranks inside each rank's step:
 
-* `send` / `recv`: point to point; `send` returns a delegate whose gradient is received
-  from the peer, `recv`'s gradient goes back to the sender. `pseudo_connect` joins a
-  delegate to other values of a loss.
+* `send` / `recv`: point to point, each with the transposed exchange as its backward;
+  `pseudo_connect` joins `send`'s delegate to other values of a loss.
 * `bcast`, `gather`, `scatter` (rooted), `allgather`, `alltoall`: collectives whose
-  backward is the transposed exchange (a sum to the root, a scatter, a gather, an
-  all-to-all).
+  backward is the transposed exchange.
+* `jit`: ``jax.jit`` with the pairing check run when the step is traced, also on a rank
+  whose step exchanges nothing.
 
-They work inside plain ``jax.jit`` on every rank: the first call of the step (its lowering)
-checks across the ranks that their exchanges pair up (wrong peer, shape, dtype or order: an
-`ExchangeError` on every rank, before anything is exchanged). `jit` is ``jax.jit`` with
-that check run when the step is traced, on every rank of a given communicator, also on a
-rank whose step exchanges nothing; it also admits `mnjax.SyncBatchNorm` in the step.
-
-Kind ``flat`` (one CPU device per process); the other kinds are refused when a function is
-called, naming what to use instead. Design: docs/design/functions.md.
+Under plain ``jax.jit`` the step's first lowering checks across the ranks that their
+exchanges pair up (else an `ExchangeError` on every rank, before anything is exchanged).
+Kind ``flat`` on CPU devices only. Design: docs/design/functions.md.
 
 Example::
 

@@ -1,24 +1,10 @@
 """How `mnjax.functions` orders its exchanges and makes ``jax.grad`` run their backward.
 
-Order. Each exchange waits for the previous in-step collective of the step (its ``after``
-operand: `mnjax.comm._sequence.ORDER`, the chain SyncBatchNorm and the gradient buckets
-use), so every rank runs its exchanges in the order it traced them, which is the order the
-pre-flight check paired. ``jax.grad`` complicates where values live: the user's function
-runs in a linearize trace inside the step's trace, the ``custom_vjp`` rules in the step's
-trace itself. So a forward exchange takes the last link if its trace can use it
-(`ORDER.reachable`), and a backward one waits both for that and for its own forward
-result (a residual): the first backward exchange thus follows the last forward one, and
-each later one the backward exchange traced before it. A gradient bucket after
-``jax.grad`` follows the last backward exchange.
-
-Backward. ``jax.grad`` differentiates only what depends on its inputs: a ``recv`` on the
-second stage, whose result depends on nothing the rank differentiates, would get no
-backward, and the first stage would wait forever for its gradient. ChainerMN gives such
-functions a dummy input variable; here every differentiable exchange takes an `anchor`:
-a zero read from a fresh ``jax.new_ref``, which ``jax.grad`` gives a tangent of its own.
-So inside a differentiated function every exchange has a backward exchange, whatever it
-depends on; outside one, none (the pre-flight check names a rank that differentiates
-against a peer that does not).
+Order: each exchange waits for the previous in-step collective of the step (its ``after``
+operand, from `mnjax.comm._instep._sequence.ORDER`), so every rank runs its exchanges in the
+order it traced them; a backward exchange also waits for its own forward result.
+Backward: every differentiable exchange takes an `anchor` (a zero ``jax.new_ref`` read that
+``jax.grad`` gives a tangent), so it has a backward exchange whatever it depends on.
 """
 
 from __future__ import annotations
@@ -31,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mnjax.comm import _sequence as sequence
+from mnjax.comm._instep import _sequence as sequence
 from mnjax.functions import _checks as checks
 from mnjax.functions import _trace_check as trace_check
 
@@ -79,9 +65,8 @@ def _last(comm: Any) -> jax.Array | None:
 
 
 def link(comm: Any = None) -> jax.Array:
-  """The ``after`` operand for the next forward exchange over `comm`: the last in-step
-  collective's result, when this trace can use it (else a zero: the chain starts here),
-  never differentiated.
+  """The ``after`` operand for the next forward exchange: the last in-step collective's
+  result if this trace can use it, else a zero (never differentiated).
 
   Example:
     >>> link().shape, link().dtype
@@ -98,16 +83,14 @@ def put(value: Any) -> None:
 
 
 def _log() -> Any:
-  """The step's record of exchanges: `mnjax.functions.jit`'s recording, else the
-  `StepCheck` of the step traced under plain ``jax.jit``."""
+  """`mnjax.functions.jit`'s recording, else the plain ``jax.jit`` step's `StepCheck`."""
   log = sequence.current_recording()
   return log if log is not None else trace_check.current()
 
 
 def anchor() -> jax.Array:
   """A float32 zero that ``jax.grad`` gives a tangent of its own (a fresh ``jax.new_ref``
-  read): an exchange that takes it gets a backward even when nothing it receives depends
-  on the differentiated inputs.
+  read), so an exchange that takes it always gets a backward.
 
   Example:
     >>> float(anchor())
@@ -135,11 +118,8 @@ def differentiable(forward: Callable, backward: Callable, x: Any, comm: Any = No
 
 def apply(forward: Callable, backward: Callable, x: Any, dtype: Any, comm: Any = None,
           caller: str = "exchange") -> Any:
-  """`differentiable` for an inexact `dtype` (the payload's); for any other, the forward
-  exchange alone (an integer array has no gradient, on either side of an exchange). Inside
-  a control-flow body or an inner ``jax.jit`` (`mnjax.functions._checks.misplaced`) the
-  call is refused: noted for the
-  check to raise on every rank, and a stand-in returned.
+  """`differentiable` for an inexact `dtype`, else the forward exchange alone. A misplaced
+  call (`_checks.misplaced`) is refused for the check and returns a stand-in.
 
   Example:
     >>> int(apply(lambda x, after: x + 1, None, jnp.int32(1), jnp.int32))

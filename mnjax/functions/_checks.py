@@ -1,16 +1,9 @@
 """Argument checks of `mnjax.functions`, and how a refusal reaches every rank.
 
-A bad argument that every rank passes alike (a communicator of another kind, a `like` that
-is no array) raises at once, on every rank. One that may differ per rank (a peer or root
-outside the communicator, a rank sending to itself) must not raise on that rank alone
-while the others go on to the pre-flight check and wait there: the call notes a *refusal*
-in the step's sequence (the one `mnjax.functions.jit` records, or the `StepCheck` of a step
-under plain ``jax.jit``) and goes on with a stand-in result, and the pre-flight check
-raises it on every rank (`mnjax.guard._pairing`). A call traced inside a control-flow body
-(`misplaced`: ``lax.cond``, ``while_loop``, ``scan``, ``jax.checkpoint``), which would run
-its exchange as often as the body runs, not as it was paired, is refused the same way, and
-so is one inside an inner ``jax.jit`` (whose cached trace JAX reuses without tracing the
-exchange again, so a later step's check would not see it).
+A bad argument every rank passes alike raises at once. One that may differ per rank (a peer
+or root outside the communicator), or a call in a control-flow body or an inner ``jax.jit``
+(`misplaced`), is noted as a refusal in the step's sequence and replaced by a stand-in
+result; the pre-flight check then raises it on every rank (`mnjax.guard._pairing`).
 """
 
 from __future__ import annotations
@@ -21,19 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._compat import traced_for
-from mnjax.comm._primitives import mpi_datatype
+from mnjax.comm._instep import _sequence as sequence
+from mnjax.comm._instep._compat import traced_for
+from mnjax.comm._instep._primitives import mpi_datatype
 from mnjax.functions import _transport as transport
 from mnjax.guard import _pairing as pairing
 
 __all__ = ["BODY", "HINT", "INNER_JIT", "checked", "communicator", "like_spec", "misplaced",
            "payload", "rank_problem", "refuse", "stand_in"]
 
-#: The bodies an exchange must not be traced in (`mnjax.comm._compat.traced_for`): they run
-#: a traced exchange zero times (a ``cond`` branch not taken) or several (a loop), so the
-#: ranks would not exchange what the check paired.
+#: Bodies that run a traced exchange zero or several times (`_compat.traced_for`'s names).
 _BODIES = {"cond": "lax.cond", "switch": "lax.switch", "while_cond": "lax.while_loop",
            "while_body": "lax.while_loop", "scan": "lax.scan (or fori_loop)",
            "checkpoint": "jax.checkpoint"}
@@ -105,8 +96,7 @@ def rank_problem(rank: Any, comm: Communicator, name: str, caller: str, *,
 
 
 def refuse(problem: str, comm: Communicator) -> None:
-  """Refuses a call: raises now on a size-1 communicator, else notes the refusal for the
-  pre-flight check to raise on every rank (the caller then returns a stand-in).
+  """Refuses a call: raises now at size 1, else notes it for the check to raise everywhere.
 
   Example:
     >>> refuse("mnjax.functions.send: bad dest", comm)
@@ -120,10 +110,8 @@ def refuse(problem: str, comm: Communicator) -> None:
 
 
 def misplaced(caller: str) -> str | None:
-  """Why an exchange must not be traced where the current trace lies, or None: inside a
-  control-flow body (`BODY`) or an inner ``jax.jit`` (`INNER_JIT`: a ``jit`` trace inside
-  the step's own; `mnjax.functions.jit`'s step is two, its ``jax.jit`` and the
-  ``jax.make_jaxpr`` its recording is open around, which JAX also names ``jit``).
+  """Why an exchange must not be traced here, or None: inside a control-flow body (`BODY`)
+  or an inner ``jax.jit`` (`INNER_JIT`).
 
   Example:
     >>> misplaced("send") is None
@@ -134,15 +122,14 @@ def misplaced(caller: str) -> str | None:
                 None)
   if inside is not None:
     return BODY.format(caller=caller, body=inside)
-  own = 2 if sequence.recording_open() else 1  # the step's own traces (outermost)
+  own = 2 if sequence.recording_open() else 1  # functions.jit: its jit and make_jaxpr's
   if "jit" in outer[:-own]:
     return INNER_JIT.format(caller=caller)
   return None
 
 
 def stand_in(fn: Any, *args: Any) -> Any:
-  """Zeros shaped like ``fn(*args)``'s result, which issues no exchange: what a refused call
-  returns (the check refuses its step).
+  """Zeros shaped like ``fn(*args)``'s result, issuing no exchange: a refused call's result.
 
   Example:
     >>> stand_in(lambda x: x + 1, jnp.ones(2))

@@ -1,13 +1,9 @@
 """Differentiable collectives inside a jitted step: ChainerMN's bcast, gather, scatter,
 allgather and alltoall.
 
-Each is an exchange whose backward is its transpose, as ChainerMN's ``backward`` methods
-compute it: `bcast`'s gradients are summed to the root, `gather`'s are scattered back from
-it, `scatter`'s gathered to it, `allgather`'s go back through an all-to-all and are summed,
-`alltoall`'s through another all-to-all. Stacked values use a leading axis of size
-``comm.size`` (row ``i``: rank ``i``'s part). Ranks that are not the root of `bcast` or
-`scatter` pass an array or ``jax.ShapeDtypeStruct`` of the root's shape and dtype (its
-values are not read); a non-root rank's `gather` returns a delegate, as `send` does. On a
+Each backward is the transposed exchange, as in ChainerMN. Stacked values have a leading
+axis of size ``comm.size`` (row ``i``: rank ``i``'s part). Non-root ranks of `bcast` and
+`scatter` pass an array or ``jax.ShapeDtypeStruct`` of the root's shape and dtype. On a
 size-1 communicator they are the plain array operations they reduce to.
 """
 
@@ -21,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._primitives import sum_dtype
+from mnjax.comm._instep._primitives import sum_dtype
 from mnjax.functions import _chain as chain
 from mnjax.functions import _checks as checks
 from mnjax.functions._transport import issue
@@ -32,8 +28,7 @@ __all__ = ["allgather", "alltoall", "bcast", "gather", "scatter"]
 def bcast(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
   """Rank `root`'s `x` on every rank of `comm`.
 
-  Backward: every rank's gradient is summed to the root's `x` (the other ranks' `x`, only
-  a shape, gets zero).
+  Backward: every rank's gradient is summed to the root's `x` (the others' get zero).
 
   Args:
     x: on the root, the array; elsewhere an array or ``jax.ShapeDtypeStruct`` of its shape
@@ -84,8 +79,7 @@ def gather(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
 def scatter(xs: Any, comm: Communicator, root: int = 0) -> jax.Array:
   """Row ``comm.rank`` of rank `root`'s `xs` (leading axis of size ``comm.size``).
 
-  Backward: every rank's gradient is gathered into the root's `xs` (other ranks' `xs`,
-  only a shape, gets zero).
+  Backward: every rank's gradient is gathered into the root's `xs` (the others' get zero).
 
   Args:
     xs: on the root, the stacked array; elsewhere an array or ``jax.ShapeDtypeStruct`` of
@@ -114,8 +108,7 @@ def scatter(xs: Any, comm: Communicator, root: int = 0) -> jax.Array:
 def allgather(x: Any, comm: Communicator) -> jax.Array:
   """Every rank's `x` stacked on every rank (shape ``(comm.size, *x.shape)``).
 
-  Backward: row ``j`` of every rank's gradient goes to rank ``j`` (an all-to-all), which
-  sums them.
+  Backward: row ``j`` of every rank's gradient goes to rank ``j``, which sums them.
 
   Example:
     >>> mnjax.functions.allgather(jnp.ones(2), comm).shape == (comm.size, 2)
@@ -153,7 +146,7 @@ def alltoall(xs: Any, comm: Communicator) -> jax.Array:
 
 def _operand(x: Any, comm: Communicator, root: Any, caller: str,
              name: str = "x") -> tuple[jax.ShapeDtypeStruct, jax.Array | None]:
-  """The shape every rank passes, and the root's array (None where only a shape came)."""
+  """The shape every rank passes, and the array (None where only a shape came)."""
   if comm.rank == root or isinstance(x, (jax.Array, list, tuple, float, int)) or hasattr(
       x, "__array__"):
     x = checks.payload(x, caller, name)

@@ -1,15 +1,8 @@
 """Differentiable point-to-point exchanges inside a jitted step: ChainerMN's send and recv.
 
-Model parallelism passes activations from the rank that holds one part of a model to the
-rank that holds the next, inside each rank's own jitted step. ``send`` returns a
-*delegate*, a scalar that stands for what was sent: differentiating a loss through it
-receives the gradient of the sent array from the peer (ChainerMN's ``Send.backward``).
-``recv``'s result, differentiated, sends its gradient back to where it came from
-(``Recv.backward``). Inside ``jax.grad`` both always have their backward exchange, also when
-nothing received depends on the differentiated inputs (`mnjax.functions._chain`), and the
-backward runs in the exact reverse order of the forward, so a rank that sends, then
-receives, needs no delegate to get its backward order right; `pseudo_connect` remains for
-making a delegate part of a loss that is computed from other values.
+``send`` returns a *delegate*, a scalar standing for what was sent: differentiating through
+it receives the sent array's gradient from the peer. ``recv``'s gradient goes back to the
+sender. `pseudo_connect` makes a delegate part of a loss computed from other values.
 """
 
 from __future__ import annotations
@@ -33,17 +26,14 @@ def send(x: Any, comm: Communicator, dest: int) -> jax.Array:
   """Sends `x` to rank `dest` of `comm`; returns the delegate, a float32 zero scalar that
   depends on `x`.
 
-  Differentiating a loss through the delegate receives `x`'s gradient from `dest` (where
-  `recv`'s transpose sends it). Use the delegate as the loss of a rank whose output leaves
-  it (``jax.grad(lambda p: send(f(p, x), comm, 1))(p)``), or join it to a loss with
-  `pseudo_connect`. Call inside ``jax.jit`` (or `mnjax.functions.jit`) on every rank;
-  kind ``flat`` on CPU devices.
+  Differentiating through the delegate receives `x`'s gradient from `dest`. Use it as the
+  loss of a rank whose output leaves it, or join it to a loss with `pseudo_connect`. Call
+  inside ``jax.jit`` (or `mnjax.functions.jit`); kind ``flat`` on CPU devices.
 
   Args:
     x: the array to send (float, integer or bool; integer ones have no gradient).
     comm: the ``flat`` `Communicator` whose ranks `dest` counts.
-    dest: the receiving rank (not this one); its `recv` names this rank as `source`, with
-      a `like` of `x`'s shape and dtype.
+    dest: the receiving rank (not this one), whose `recv` names this rank as `source`.
 
   Returns:
     The delegate: ``jnp.float32`` zero, shape ``()``.
@@ -71,8 +61,7 @@ def recv(comm: Communicator, source: int, like: Any) -> jax.Array:
   Args:
     comm: the ``flat`` `Communicator` whose ranks `source` counts.
     source: the sending rank (not this one).
-    like: an array or ``jax.ShapeDtypeStruct``: the shape and dtype that arrive (the
-      sender's ``x``); a difference is named on both ranks before anything is sent.
+    like: an array or ``jax.ShapeDtypeStruct`` of the sender's ``x``'s shape and dtype.
 
   Returns:
     The received array.
@@ -96,9 +85,8 @@ def recv(comm: Communicator, source: int, like: Any) -> jax.Array:
 def pseudo_connect(delegate: jax.Array, *xs: Any) -> Any:
   """`xs` unchanged, with `delegate` made part of whatever is computed from them.
 
-  ChainerMN's ``pseudo_connect``: differentiating through the result also differentiates
-  through `delegate` (a `send`'s, so its backward receives the gradient of what was sent),
-  which receives a zero cotangent; `xs`' cotangents pass through.
+  ChainerMN's ``pseudo_connect``: differentiating through the result also runs `delegate`'s
+  backward (with a zero cotangent); `xs`' cotangents pass through.
 
   Args:
     delegate: a scalar, usually `send`'s result.

@@ -1,15 +1,9 @@
 """`jit`: a model-parallel step checked across ranks when it is traced.
 
-A model-parallel step differs per rank by design (rank 0 runs the first layers and sends,
-rank 1 receives and runs the next), so `mnjax.data_parallel`'s comparison of whole programs
-does not apply; what must agree is how the ranks' exchanges pair up. Plain ``jax.jit``
-steps are checked when lowered (`mnjax.functions._trace_check`), over the communicator
-their exchanges use. `jit` is ``jax.jit(fn)`` whose trace records the step's in-step
-exchanges and collectives and checks them across the ranks of a given communicator before
-the compiled step first runs (`mnjax.guard._pairing`): the same code path as
-``mnjax.data_parallel(fn, comm, batch_argnums=(), check_program=False)``. Use it for a rank
-whose step exchanges nothing (it must still join the check) and for a step with
-`mnjax.SyncBatchNorm`.
+``mnjax.data_parallel(fn, comm, batch_argnums=(), check_program=False)``: its trace records
+the step's exchanges and collectives and checks that they pair up across the ranks of
+`comm` (`mnjax.guard._pairing`). Use it for a rank whose step exchanges nothing and for a
+step with `mnjax.SyncBatchNorm`.
 """
 
 from __future__ import annotations
@@ -27,16 +21,13 @@ __all__ = ["jit"]
 
 def jit(fn: Callable[..., Any], comm: Communicator) -> Callable[..., Any]:
   """``jax.jit(fn)`` for a step of a model-parallel program, checked over `comm` once per
-  trace (plain ``jax.jit`` works too; this one also joins the check on a rank whose step
-  exchanges nothing, and admits `mnjax.SyncBatchNorm`).
+  trace; unlike plain ``jax.jit`` it also joins the check on a rank whose step exchanges
+  nothing, and admits `mnjax.SyncBatchNorm`.
 
-  Before the compiled step first runs (and after each retrace), every rank sends a hash of
-  its in-step exchanges to the others (one small host allgather; the sequences travel only
-  when they differ, which model parallelism makes the rule) and checks that they pair up:
-  each send meets a recv on its peer, from this rank, with the same shape and dtype, in the
-  same order. Otherwise every rank raises the same `mnjax.functions.ExchangeError`, naming
-  the first exchange of each rank that no rank answers. Every rank must call its step (the
-  check is collective over ``comm.mpi_comm``).
+  Before the compiled step first runs, the ranks check that their exchanges pair up (each
+  send meets a recv on its peer with the same shape and dtype, in the same order); else
+  every rank raises the same `mnjax.functions.ExchangeError`. Collective over
+  ``comm.mpi_comm``: every rank must call its step.
 
   Args:
     fn: the step; may call `mnjax.functions` (forward and under ``jax.grad``),

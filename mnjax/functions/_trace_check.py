@@ -1,25 +1,12 @@
 """The pairing check of a step traced under plain ``jax.jit``: recorded while traced, run when
 lowered.
 
-`mnjax.functions.jit` (``mnjax.data_parallel``) opens a recording around the step and checks
-it when the trace ends. Plain ``jax.jit`` gives no such hook, so the exchanges of a step
-traced without one record themselves in a `StepCheck` of their own: one per outermost trace
-(``jax.jit(f)``'s trace of ``f``, which the traces ``jax.grad`` opens inside it share), which
-every exchange of that trace carries as a parameter of its primitive. JAX lowers a jitted
-function after tracing it and before compiling and running it, so the first exchange lowered
-runs the check over the whole sequence (`run`): the same
-`mnjax.guard._preflight.check_collective_sequence` as `mnjax.functions.jit`, collective over
-the communicator the exchanges use (`StepCheck._over`: every rank of it must trace and
-lower a step that exchanges over it, or call `mnjax.functions.jit` with a step that does
-not). A mismatch raises the same `ExchangeError` on every rank at the step's first call (or
-at ``jax.jit(f).lower(...)``), before anything is exchanged; the step then raises it again
-at every lowering, never running unchecked. A sequence the ranks agreed on is not checked
-again when the same step is retraced (`_AGREED`).
-
-``jax.grad(jax.jit(f))`` differentiates the jitted step from outside: JAX then traces each
-exchange's forward again, later, in a ``custom_vjp`` trace of its own (no parent, outside
-`ambient`), one check per exchange, and the ranks' rounds would not line up. Such a trace's
-check starts with a refusal (`OUTSIDE_GRAD`), which every rank's first round raises.
+The exchanges of a step traced outside `mnjax.functions.jit`'s recording note themselves in
+a `StepCheck`, one per outermost trace, which each exchange carries as a primitive
+parameter. The first exchange lowered runs the check over the whole sequence
+(`mnjax.guard._preflight.check_collective_sequence`), collective over the communicator
+the exchanges use, before the step runs; a failure is raised again at every later
+lowering. A sequence the ranks agreed on is not checked again on a retrace (`_AGREED`).
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ import weakref
 from collections.abc import Iterator
 
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._compat import outermost_trace, traced_for
+from mnjax.comm._instep._compat import outermost_trace, traced_for
 from mnjax.guard import _pairing as pairing
 from mnjax.guard import _preflight as preflight
 
@@ -45,9 +32,7 @@ OUTSIDE_GRAD = (
     " and the ranks' checks would not line up. Differentiate inside the jitted step:"
     " jax.jit(jax.grad(f))")
 
-#: The sequences the ranks agreed on, by (world ranks of the check's communicator, the
-#: step's function, sequence): a retrace of that step (another shape, on one rank or all)
-#: with the same sequence opens no new round, as `mnjax.functions.jit`'s agreed set.
+#: Agreed sequences by (world ranks, step function, sequence): a retrace opens no new round.
 _AGREED: set[tuple] = set()
 _AGREED_LOCK = threading.Lock()
 
@@ -55,7 +40,7 @@ _AGREED_LOCK = threading.Lock()
 class StepCheck:
   """The exchanges one outermost trace issued, and their check (run once, when lowered).
 
-  Hashed and compared by identity: it is a parameter of the exchange primitive.
+  Hashed by identity: it is a parameter of the exchange primitive.
 
   Example:
     >>> check = StepCheck()
@@ -74,15 +59,13 @@ class StepCheck:
     self._lock = threading.Lock()
 
   def note(self, comm: Communicator | None, entry: tuple) -> None:
-    """Adds one sequence entry ``(what, shape, dtype)`` of an exchange over `comm` (None: a
-    refusal that names no communicator)."""
+    """Adds one sequence entry ``(what, shape, dtype)`` over `comm` (None: a refusal)."""
     self.log.append(entry)
     if comm is not None and all(c is not comm for c in self.comms):
       self.comms.append(comm)
 
   def run(self) -> None:
-    """Checks the recorded sequence across the ranks (once; a refusal, or any error of the
-    check, is raised again at every later lowering without a new round)."""
+    """Checks the sequence across the ranks once; a failure is raised again at each call."""
     with self._lock:
       if self._passed:
         return
@@ -102,14 +85,8 @@ class StepCheck:
       self._passed = True
 
   def _over(self) -> Communicator:
-    """The communicator holding every rank the step's exchanges involve: the largest one
-    used (ties: the lowest world ranks), when it holds the ranks of every other one.
-
-    The choice is each rank's own, so every rank of a step must exchange over that same
-    largest communicator (a rank whose exchanges use only a part of it checks over the
-    part: its round is not the others'); `mnjax.functions.jit(step, comm)` names the
-    communicator instead.
-    """
+    """The largest communicator used (ties: the lowest world ranks), if it holds the ranks
+    of every other one; else `ExchangeError`."""
     groups = [(c, set(pairing.world_ranks(c.mpi_comm))) for c in self.comms]
     for comm, group in sorted(groups, key=lambda cg: (-len(cg[1]), sorted(cg[1]))):
       if all(other <= group for _, other in groups):
@@ -132,8 +109,7 @@ _CURRENT = _Current()
 
 
 def current() -> StepCheck:
-  """The `StepCheck` of the outermost trace being traced now (a new one for a new trace), or
-  the one `ambient` holds.
+  """The `StepCheck` of the outermost trace being traced now, or the one `ambient` holds.
 
   Example:
     >>> def step(x):
@@ -153,8 +129,7 @@ def current() -> StepCheck:
 
 
 def _new_check(top) -> StepCheck:
-  """The `StepCheck` of outermost trace `top`: one that starts with a refusal when JAX traces
-  an exchange's forward for a ``jax.grad`` outside the jitted step (`OUTSIDE_GRAD`)."""
+  """A new `StepCheck` for `top`; it starts with a refusal under ``jax.grad(jax.jit(f))``."""
   info = getattr(getattr(top, "frame", None), "debug_info", None)
   check = StepCheck(step="" if info is None else str(info.func_src_info))
   outer = traced_for()
@@ -165,9 +140,8 @@ def _new_check(top) -> StepCheck:
 
 @contextlib.contextmanager
 def ambient() -> Iterator[None]:
-  """Makes `current` answer the caller's `StepCheck` while the block runs: JAX traces a
-  ``custom_vjp``'s function in a trace of its own, without a parent, so the exchanges its
-  forward issues could not find their step otherwise.
+  """Makes `current` answer the caller's `StepCheck` while the block runs (JAX traces a
+  ``custom_vjp``'s function without a parent trace).
 
   Example:
     >>> with ambient():

@@ -1,22 +1,10 @@
 """The one place where `mnjax.functions` issues an MPI exchange inside a traced step.
 
-Every exchange, forward or backward, goes through `issue`: it notes the exchange in the
-step's collective sequence (in the format the pairing check reads:
-`mnjax.guard._pairing.entry`): the one `mnjax.functions.jit` records
-(`mnjax.comm._sequence`), or, under plain ``jax.jit``, the step's own `StepCheck`
-(`mnjax.functions._trace_check`), which the primitive carries and its lowering runs. It
-binds `exchange_p`, a primitive that lowers to a side-effecting custom call of mnjax's CPU
-handlers (`mnjax.comm._native`: send, recv, bcast, gather, scatter, reduce, allgather,
-alltoall) with an ``after`` operand, as `mnjax.comm._primitives` does for the gradient
-buckets: the previous exchange's result, so that XLA runs them in the order they were traced
-(the order the pre-flight check verified). Unlike the buckets' primitives it has a JAX
-effect (`ExchangeEffect`, unordered): JAX keeps an exchange whose result nothing uses (a
-forward-only send, a delegate left out of the loss), at the price of JAX's fast dispatch
-path for the steps that exchange (the gradient buckets keep it). A hook that wants to see
-every exchange (a timeline) wraps `issue`.
-
-Only CPU devices: on GPUs the lowering refuses, naming the alternative (mpi4jax's CUDA
-handlers take tokens, not an ``after`` operand, for receives: nothing could order them).
+`issue` notes the exchange in the step's collective sequence (`mnjax.functions.jit`'s
+recording, or the step's `StepCheck` under plain ``jax.jit``) and binds `exchange_p`, which
+lowers to a side-effecting custom call of mnjax's CPU handlers with an ``after`` operand
+that orders it after the previous exchange. Its JAX effect (`ExchangeEffect`) keeps an
+exchange whose result nothing uses. CPU devices only. A hook (a timeline) wraps `issue`.
 """
 
 from __future__ import annotations
@@ -34,15 +22,15 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
-from mnjax.comm import _native as native
-from mnjax.comm import _primitives as mpi_ops
-from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._compat import (
-    KEPT_EFFECT_BASE,
-    outermost_trace,
-    register_kept_effect,
-    to_mpi_handle,
+from mnjax.comm._instep import _native as native
+from mnjax.comm._instep import _primitives as mpi_ops
+from mnjax.comm._instep import _sequence as sequence
+from mnjax.comm._instep._compat import (
+  KEPT_EFFECT_BASE,
+  outermost_trace,
+  register_kept_effect,
+  to_mpi_handle,
 )
 from mnjax.functions import _trace_check as trace_check
 from mnjax.guard import _pairing as pairing
@@ -52,8 +40,7 @@ __all__ = ["OUTSIDE", "ExchangeEffect", "check_only", "dry", "exchange_p", "issu
 
 
 class ExchangeEffect(KEPT_EFFECT_BASE):
-  """The effect of an `mnjax.functions` exchange: JAX neither removes it nor drops it from
-  ``custom_vjp`` rules; unordered (the ``after`` chain orders the exchanges)."""
+  """An exchange's effect: kept by JAX's dead-code elimination; unordered."""
 
   def __repr__(self):  # JAX names it when it refuses it (inside vmap's or a body's rules)
     return "mnjax.functions exchange (call it at the step's top level or under jax.grad)"
@@ -110,11 +97,8 @@ def issue(exchange: str, comm: Communicator, payload: Any, after: Any, *, shape:
           dtype: Any, count: int, label: str, note: tuple, wire: Any = None,
           **attrs: int) -> Any:
   """Notes and binds one exchange: `exchange` (a key of `_TARGETS`) of `payload` (None for a
-  receive) on ``comm.device_comm``, after `after`; the result has `shape` and `dtype`, the
-  messages carry `wire` items (default: `dtype`; a send's result is a float32 zero).
-
-  `count` is the number of items per message (per rank for the collectives), `note` the
-  ``(kind, peer, phase, shape, dtype)`` of its sequence entry (peer in `comm`'s ranks).
+  receive), after `after`; the result has `shape` and `dtype`, messages carry `wire` items.
+  `count`: items per message (per rank); `note`: ``(kind, peer, phase, shape, dtype)``.
 
   Example:
     >>> def gathered(x):                                          # a size-1 allgather
@@ -144,9 +128,8 @@ def issue(exchange: str, comm: Communicator, payload: Any, after: Any, *, shape:
 
 
 def record(comm: Communicator, what: str, shape: Any, dtype: Any) -> trace_check.StepCheck | None:
-  """Notes one sequence entry of a step that exchanges over `comm`: in the recording
-  `mnjax.functions.jit` opened (returns None), else in the `StepCheck` of the step traced
-  under plain ``jax.jit`` (returned: the primitive carries it, its lowering runs it).
+  """Notes one sequence entry: in `mnjax.functions.jit`'s recording (returns None), else in
+  the plain ``jax.jit`` step's `StepCheck` (returned, for the primitive to carry).
 
   Example:
     >>> record(comm, "mnjax.functions.send <mnjax.functions send peer=1 phase=forward"
@@ -170,8 +153,7 @@ _DRY = _Dry()
 
 @contextlib.contextmanager
 def dry() -> Iterator[None]:
-  """While the block runs, `issue` neither notes nor binds anything: it returns zeros of
-  the exchange's shape (to learn a refused call's result shape: `_checks.stand_in`).
+  """While the block runs, `issue` only returns zeros of the exchange's shape.
 
   Example:
     >>> with dry():
@@ -187,8 +169,7 @@ def dry() -> Iterator[None]:
 
 
 def check_only(check: trace_check.StepCheck | None) -> None:
-  """Makes the lowering of a step whose refused call issues no exchange run `check` (which
-  names the refusal on every rank); nothing when `mnjax.functions.jit` checks the step.
+  """Makes the step's lowering run `check` when a refused call issues no exchange.
 
   Example:
     >>> check_only(None)

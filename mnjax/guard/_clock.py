@@ -1,13 +1,8 @@
 """Clock offsets between ranks, estimated by ping-pong with rank 0 (NTP's estimate).
 
-A timeline puts every rank's events on one time axis: who arrived last at a collective is a
-comparison of timestamps taken on different machines. Each rank ``r`` exchanges a few small
-messages with rank 0: it stamps ``t1`` and sends, rank 0 stamps ``t0`` and answers, rank
-``r`` stamps ``t2`` on receipt. Rank 0's clock read ``t0`` somewhere between ``t1`` and
-``t2`` of rank ``r``'s clock, so ``offset = t0 - (t1 + t2) / 2`` is off by at most half the
-round trip; the round with the shortest round trip is kept and its half round trip is the
-error bound (more rounds are taken while it is over 20 us). On one machine (one
-CLOCK_MONOTONIC) the true offset is 0 and the estimate is within a few microseconds of it.
+Rank ``r`` stamps ``t1`` and sends, rank 0 stamps ``t0`` and answers, rank ``r`` stamps
+``t2``: ``offset = t0 - (t1 + t2) / 2``, off by at most half the round trip. The round with
+the shortest round trip is kept; its half round trip is the error bound.
 """
 
 from __future__ import annotations
@@ -25,11 +20,11 @@ _TAG = 7302
 def estimate_offsets(mpi_comm: MPI.Intracomm, now: Callable[[], int], *, rounds: int = 16,
                      max_rounds: int = 200, good_ns: int = 20_000) -> tuple[np.ndarray, np.ndarray]:
   """``(offsets, errors)`` in ns, on every rank: ``offsets[r]`` added to rank ``r``'s
-  clock reading gives rank 0's, within ``errors[r]``. Collective over `mpi_comm` (use a
-  communicator no other traffic runs on); `now` reads this rank's clock in ns.
+  clock reading gives rank 0's, within ``errors[r]``.
 
-  Each rank takes `rounds` round trips, and more (up to `max_rounds`) while the best error
-  is over `good_ns`: on a busy machine a round trip can take a millisecond.
+  Collective over `mpi_comm` (one no other traffic runs on); `now` reads this rank's clock.
+  Each rank takes `rounds` round trips, more (up to `max_rounds`) while the error is over
+  `good_ns`.
 
   Example:
     >>> import time

@@ -1,17 +1,9 @@
 """Replica consensus: are the parameters still bitwise identical on every replica?
 
-Synchronous data parallelism keeps replicas identical only as long as every rank applies
-the same update to the same values. A rank that restored a different checkpoint, a
-non-deterministic op applied to the parameters, or a bit flip makes the replicas drift
-apart silently — the loss still falls. Like Megatron's periodic parameter-hash check,
-`check_replicas` fingerprints every leaf on every replica (each local device's copy, too)
-and compares the fingerprints across ranks with one small host allgather; a mismatch
-raises the same error on every rank, naming the leaves and the ranks that differ.
-
-The digests and their comparison are `mnjax.comm._digest`'s (checkpoints verify their
-bytes with the same ones). Cost: one BLAKE2b pass over the parameters on the host (~1 GB/s)
-and an allgather of 8 bytes per leaf and device. Run it every few hundred steps, not every
-step.
+`check_replicas` fingerprints every leaf on every replica (each local device's copy too, with
+`mnjax.comm._host._digest`'s digests) and compares them with one small host allgather; a
+mismatch raises the same error on every rank, naming the leaves and ranks. It costs a host
+hash pass over the tree: run it every few hundred steps.
 """
 
 from __future__ import annotations
@@ -22,8 +14,8 @@ import jax
 import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._digest import compare_across_ranks, tree_digests
-from mnjax.comm._host import shares_in
+from mnjax.comm._host._digest import compare_across_ranks, tree_digests
+from mnjax.comm._host._signature import shares_in
 
 __all__ = ["check_replicas", "fingerprints"]
 
@@ -50,13 +42,10 @@ def fingerprints(tree: Any) -> dict[str, list[str]]:
 def check_replicas(tree: Any, comm: Communicator, *, what: str = "parameters") -> None:
   """Raises `ValueError` on every rank unless `tree` is bitwise identical on all replicas.
 
-  Collective on ``comm.mpi_comm``: call it on every rank at the same point (between steps;
-  it waits for the step that produces `tree`). Replicated multi-device state is compared
-  device by device too.
+  Collective: call it on every rank at the same point, between steps.
 
   Args:
-    tree: the pytree that must agree (parameters, optimizer state, batch statistics); not
-      `mnjax.shard_optimizer`'s state, whose shares differ by design (refused, with the fix).
+    tree: the pytree that must agree (not `mnjax.shard_optimizer`'s state: refused).
     comm: the `Communicator`.
     what: its name, for the message.
 

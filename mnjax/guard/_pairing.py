@@ -1,30 +1,14 @@
 """The pre-flight check of a model-parallel step: do every rank's sends and receives pair up?
 
-A data-parallel step is SPMD: every rank issues the same collectives, so comparing the
-ranks' sequences for equality (`mnjax.guard._preflight.check_collective_sequence`) is the
-whole check. A model-parallel step is not: rank 0 sends an activation that rank 1 receives,
-and under ``jax.grad`` rank 1 sends its gradient back. What must hold instead is that the
-ranks' sequences, run side by side, complete: each rank's next exchange finds its partner's
-next exchange waiting for it. `check_exchanges` decides that by running the sequences
-against each other (`_Run`), with MPI's strictest semantics: a send completes only when its
-peer's next exchange is the matching receive (same shape, dtype and direction: activation
-or gradient), a collective only when every member's next exchange is that collective. A
-program it accepts cannot deadlock whatever MPI's eager limit is; one it refuses is named on
-every rank (each has every sequence) before anything is exchanged: the first stuck
-exchange of each rank and what its partner does instead (wrong peer, shape, dtype, a send
-facing a send, a step that ends first).
-
-The exchanges note themselves in the step's collective sequence (`mnjax.comm._sequence`) as
-ordinary ``(what, shape, dtype)`` entries whose ``what`` ends in a tag `entry` writes
-(`mnjax.comm._entry_tag`, re-exported here) and `parse` reads: ``<mnjax.functions send
-peer=1 phase=forward group=0,1>``, peers and groups in ``MPI.COMM_WORLD`` ranks so that
-exchanges over sub-communicators pair up in a step checked over another communicator; a
-gradient bucket or a SyncBatchNorm layer over a sub-communicator carries a ``collective``
-tag with its ranks (`mnjax.comm._sequence.note_collective`'s ``over``). Entries without a
-tag (SyncBatchNorm layers and buckets over the whole job) are collectives over every rank of
-the checked communicator. A call refused while its step is traced (a peer outside the
-communicator, on one rank only) notes a ``refused`` entry instead of raising there, so that
-every rank raises it together here.
+A model-parallel step is not SPMD, so instead of equal sequences the ranks' sequences must
+complete when run against each other. `check_exchanges` runs them (`_Run`) with MPI's
+strictest semantics: a send completes only when its peer's next exchange is the matching
+receive (same shape, dtype and direction), a collective only when every member's next
+exchange is that collective; an accepted step cannot deadlock. Entries carry a tag that
+`entry` writes and `parse` reads (``<mnjax.functions send peer=1 phase=forward group=0,1>``,
+world ranks); untagged entries are collectives over every rank. A call refused while traced
+notes a ``refused`` entry, so that every rank raises it together here. Design:
+docs/design/functions.md, "The pairing check".
 """
 
 from __future__ import annotations
@@ -33,8 +17,8 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
-from mnjax.comm._entry_tag import TAG as _TAG
-from mnjax.comm._entry_tag import entry, world_ranks
+from mnjax.comm._instep._entry_tag import TAG as _TAG
+from mnjax.comm._instep._entry_tag import entry, world_ranks
 
 __all__ = ["ExchangeError", "check_exchanges", "describe_refusals", "entry", "has_refusal",
            "involved", "parse", "refusal_error", "world_ranks"]
@@ -44,8 +28,7 @@ _UNTAGGED = "every rank"  # the phase of an untagged entry (SyncBatchNorm, a gra
 
 
 class ExchangeError(ValueError):
-  """The ranks' in-step exchanges would not complete: they do not pair up, or a call was
-  refused (a peer outside the communicator). Raised on every rank, before any exchange."""
+  """The ranks' in-step exchanges would not pair up, or a call was refused (on every rank)."""
 
 
 class Exchange(NamedTuple):
@@ -87,9 +70,9 @@ def involved(everyone: list[tuple]) -> bool:
 
 def check_exchanges(everyone: list[tuple], mpi_comm: MPI.Comm | None, *, caller: str,
                     world: tuple[int, ...] | None = None) -> None:
-  """Raises `ExchangeError` (the same text on every rank) unless the ranks' sequences
-  (``everyone[r]``: rank ``r`` of `mpi_comm`) complete when run against each other.
-  `world`: the ``MPI.COMM_WORLD`` rank of each (default: `world_ranks` of `mpi_comm`).
+  """Raises `ExchangeError` (on every rank) unless the sequences complete against each other.
+
+  ``everyone[r]`` is rank ``r``'s; `world` gives each one's ``MPI.COMM_WORLD`` rank.
 
   Example:
     >>> a = (entry("send", "send", (0, 1), peer=1, phase="forward"), (3,), "float32")

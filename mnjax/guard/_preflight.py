@@ -1,30 +1,11 @@
 """Pre-flight: every rank checks that all ranks are about to exchange the same thing.
 
-MPI only sees bytes. Two ranks that reduce a ``(64, 10)`` and a ``(10, 64)`` leaf, or the
-same buffers in a different leaf order, exchange the same byte count and get garbage without
-an error; a rank with one extra leaf waits forever in a collective nobody else issued. So
-before the first exchange, every rank hashes a *signature* — the tree structure, each leaf's
-path, shape and dtype (`tree_signature`, the one every host collective of `mnjax.comm._host`
-compares too), and the options that decide the wire layout (communicator kind, ``mean``,
-``wire_dtype``, bucket size) — and the ranks compare the hashes with one small host
-allgather (Horovod's coordinator check, done once instead of every step).
-
-`allreduce_gradients` runs the check when its update is *traced*: a jitted step pays for it
-once, at its first call, and a user's own step that only composes the transformation into
-an optax chain is protected too. A mismatch raises the same `ValueError` on every rank,
-naming the leaf, the ranks and their shapes and dtypes, before any collective is issued.
-
-The whole step's sequence of in-step collectives is checked the same way, as one
-fingerprint: while a step is traced inside `recording` (`mnjax.data_parallel` opens it
-around the step), each mnjax collective notes itself (`mnjax.comm._sequence`: each
-`mnjax.SyncBatchNorm` layer, which also runs in forward-only steps without
-`allreduce_gradients`, and each gradient bucket), and `check_collective_sequence` compares
-the sequence across ranks with one host allgather before the compiled step first runs: a
-rank with an extra layer, another feature width, or no layer at all is named, instead of a
-hang or an MPI "Message truncated" abort. A sequence a step has agreed on is not compared
-again (a retrace for another batch size, on one rank only, needs no round), so it costs
-nothing per step. A SyncBatchNorm layer traced across processes outside any `recording`
-(plain ``jax.jit``) is refused: nothing could check it.
+MPI only sees bytes: a ``(64, 10)`` and a ``(10, 64)`` leaf sum without an error, and an extra
+leaf hangs. `check_same_on_all_ranks` compares a *signature* (tree structure, each leaf's
+path, shape and dtype: `tree_signature`; the options that decide the wire layout) with one
+hash allgather, when the step is traced, and raises the same `ValueError` on every rank
+before any collective. `check_collective_sequence` compares the step's whole sequence of
+in-step collectives (noted inside `recording`) the same way, once per agreed sequence.
 """
 
 from __future__ import annotations
@@ -34,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._host import gather_if_different, tree_signature
-from mnjax.comm._sequence import note_collective, recording
+from mnjax.comm._host._agreement import gather_if_different
+from mnjax.comm._host._signature import tree_signature
+from mnjax.comm._instep._sequence import note_collective, recording
 from mnjax.guard import _pairing as pairing
 
 __all__ = [
@@ -43,8 +25,7 @@ __all__ = [
     "note_collective", "recording", "tree_signature",
 ]
 
-#: Seconds a rank waits for the others to reach the same check before giving up. Ranks
-#: reach it at their first trace of the step; the slowest start-up sets the pace.
+#: Seconds a rank waits for the others to reach the same check (the slowest start-up).
 DEFAULT_TIMEOUT = 600.0
 
 
@@ -52,10 +33,8 @@ def check_same_on_all_ranks(comm: Communicator, what: str, signature: Any, *,
                             caller: str, timeout: float = DEFAULT_TIMEOUT) -> None:
   """Raises on every rank unless every rank passed an equal `signature`.
 
-  Collective over ``comm.mpi_comm`` (host level: safe while a step is in flight, which uses
-  the other communicators). One allgather of a 16-byte hash, and only on a mismatch of the
-  full signatures, to write the message (`mnjax.comm._agreement.gather_if_different`, the same
-  comparison every host collective makes).
+  Collective over ``comm.mpi_comm`` (host level): one allgather of a 16-byte hash; the full
+  signatures travel only on a mismatch.
 
   Args:
     comm: the `Communicator`.
@@ -71,7 +50,8 @@ def check_same_on_all_ranks(comm: Communicator, what: str, signature: Any, *,
     ...                         caller="allreduce_gradients")
   """
   signatures = gather_if_different(
-      comm, signature, what=f"{caller}'s check of {what}", timeout=timeout, timeout_message=(
+      comm, f"{caller}'s pre-flight check", signature, what=f"{caller}'s check of {what}",
+      timeout=timeout, timeout_message=(
           f"{caller}: rank {comm.rank} waited {timeout:.0f} s for the other ranks to check"
           f" {what} before the first exchange, and not all of them came. Every rank must"
           " trace the step (call it with the same shapes, in the same order); a step"
@@ -141,16 +121,10 @@ def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
   """Raises `ValueError` on every rank unless every rank traced the same in-step
   collectives (`recording`), in the same order, with the same shapes and dtypes.
 
-  Collective over ``comm.mpi_comm``, except for a `sequence` already in `agreed` (the
-  sequences one step has agreed on: a retrace of that step for another batch size, on one
-  rank only, needs no round); an agreed sequence is added to it. Sequences holding
-  `mnjax.functions` exchanges (a model-parallel step, whose ranks differ by design) must
-  pair up instead of being equal (`mnjax.guard._pairing.check_exchanges`: a
-  `ExchangeError`, a `ValueError`, names the first exchange of each rank that no rank
-  answers). An empty
-  sequence is compared too (a rank without the layers the others have must say so), so
-  every rank must trace the step: a rank that finished meanwhile is named
-  (`mnjax.comm._departures`), one that never comes is a `TimeoutError` after `timeout` s.
+  Collective over ``comm.mpi_comm``, except for a `sequence` already in `agreed` (then added
+  to it). Sequences holding `mnjax.functions` exchanges must pair up instead
+  (`mnjax.guard._pairing.check_exchanges`). An empty sequence is compared too; a rank that
+  never comes is a `TimeoutError` after `timeout` s.
 
   Example:
     >>> check_collective_sequence(comm, [("SyncBatchNorm layer BatchNorm_0", (3, 16),
@@ -165,7 +139,8 @@ def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
       pairing.check_exchanges([sequence], comm.mpi_comm, caller=caller)
     return
   everyone = gather_if_different(
-      comm, sequence, what=f"{caller}'s check of the step's in-step collectives",
+      comm, f"{caller}'s step check", sequence,
+      what=f"{caller}'s check of the step's in-step collectives",
       timeout=timeout, timeout_message=(
           f"{caller}: rank {comm.rank} waited {timeout:.0f} s for the other ranks to check"
           f" the {len(sequence)} in-step collective(s) of its step (the first:"

@@ -1,31 +1,12 @@
 """The step's program, compared across ranks: every rank must run the same computation.
 
-Data parallelism is SPMD: each rank runs the same step on its own examples and the
-collectives make the results agree. A rank whose step differs in anything but its data
-breaks that silently: with ``optax.adam(1e-2)`` on rank 0 and ``adam(1e-1)`` on rank 1 the
-all-reduced gradients are equal, yet every rank applies its own rate (and under
-`mnjax.shard_optimizer` each share of every leaf moves at its owner's rate, identically on
-all ranks, so `mnjax.check_replicas` cannot see it); with another accumulation period the
-ranks issue different numbers of collectives and wait forever. Checking the options one by
-one (wire dtype, buckets) cannot keep up with what users write, so the check compares the
-*program*: the step's jaxpr, traced on every rank, in a canonical text (`program_of`):
-every operation in order with its parameters, every literal and constant by value, every
-argument by shape and dtype (arguments are data: never compared by value), nested
-programs (``cond``, ``scan``, ``jit``, ``custom_vjp``) inline. A 16-byte hash of it crosses
-once per trace (`check_same_program`); only on a mismatch do the programs travel, and every
-rank raises the same `ValueError` naming the first difference and where in the source it
-comes from ("the constant -0.01 on rank 0, -0.1 on rank 1, from optax/_src/transform.py").
-
-What is deliberately not compared: MPI communicator handles (each rank's own number for the
-same communicator), memory addresses in reprs, source locations (only reported). A value
-that should differ per rank (a per-rank seed, a rank-dependent constant) belongs in the
-step's *arguments*, which are compared by shape and dtype only; operations traced inside
-`rank_dependent` are compared by operation and shapes only (ZeRO-1's slice of this rank's
-share is one); `mnjax.data_parallel`'s ``check_program=False`` turns the comparison off.
-
-`user_collectives` reads the same jaxpr for collectives over the communicator's axis that
-mnjax did not write (a ``lax.pmean(x, "batch")`` left over from a pmap script), which would
-reduce over this process's devices only under the multi-device kinds.
+`program_of` turns the step's jaxpr into a canonical text: every operation in order with its
+parameters, every literal and constant by value, every argument by shape and dtype only,
+nested programs inline; MPI handles, addresses and source locations are left out.
+`check_same_program` allgathers a 16-byte hash of it once per trace; only on a mismatch do
+the programs travel, and every rank raises the same `ValueError` naming the first difference
+and its source. Operations inside `rank_dependent` are compared by operation and shapes only.
+`user_collectives` finds collectives over the communicator's axis that mnjax did not write.
 """
 
 from __future__ import annotations
@@ -40,7 +21,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._host import gather_if_different
+from mnjax.comm._host._agreement import gather_if_different
 
 __all__ = ["Program", "check_same_program", "describe_programs", "program_of",
            "rank_dependent", "user_collectives"]
@@ -48,8 +29,7 @@ __all__ = ["Program", "check_same_program", "describe_programs", "program_of",
 _JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, np) if m.__file__)
 _MNJAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-#: Parameters that name an MPI communicator by its handle: the number differs per rank
-#: for the same communicator, and the collective sequence check compares collectives.
+#: Parameters that name an MPI communicator by its handle (a per-rank number).
 _PER_RANK_PARAMS = frozenset({"comm_handle", "comm", "comm_ptr"})
 _SMALL = 8  # constants with at most this many elements are shown by value
 #: The `jax.named_scope` of `rank_dependent`.
@@ -57,12 +37,10 @@ RANK_DEPENDENT_SCOPE = "mnjax_rank_dependent"
 
 
 def rank_dependent():
-  """A scope whose operations may differ per rank in their constants: the program check
-  compares them by operation and shapes only (parameters and literal values are left out).
+  """A scope whose operations may differ per rank in their constants.
 
-  For what really depends on the rank inside a step: ZeRO-1's slice of this rank's share
-  (`mnjax.shard_optimizer` uses it), a rank-dependent scale. The shapes must still agree;
-  an array closed over stays a compared constant (pass it as an argument instead).
+  The program check compares them by operation and shapes only; an array closed over stays
+  a compared constant (pass it as an argument instead).
 
   Example:
     >>> def step(x):
@@ -255,8 +233,7 @@ def _frames(eqn: Any) -> list[Any]:
 
 
 def _where(eqn: Any) -> str:
-  """The innermost two frames and the innermost one of the user's own code (outside any
-  installed package), e.g. ``from optax/_src/transform.py:507 (...), train.py:30 (step)``."""
+  """The innermost two frames and the innermost one of the user's own code, as text."""
   frames = _frames(eqn)
   if not frames:
     return ""
@@ -295,9 +272,7 @@ def check_same_program(comm: Communicator, closed: jcore.ClosedJaxpr, *, caller:
                        fix: str = "") -> None:
   """Raises the same `ValueError` on every rank unless every rank traced an equal program.
 
-  Collective over ``comm.mpi_comm``: one allgather of a 16-byte hash of `program_of`; the
-  programs (with their sources) travel only on a mismatch, to write the message
-  (`describe_programs`). Nothing when ``comm.size == 1``.
+  Collective: one allgather of a hash; the programs travel only on a mismatch.
 
   Example:
     >>> closed = jax.make_jaxpr(lambda x: x * 0.5)(jnp.ones(3))
@@ -306,7 +281,8 @@ def check_same_program(comm: Communicator, closed: jcore.ClosedJaxpr, *, caller:
   if comm.size == 1:
     return
   digest = program_of(closed, arg_paths).digest()
-  if gather_if_different(comm, digest, what=f"{caller}'s check of {what}") is None:
+  if gather_if_different(comm, f"{caller}'s program check", digest,
+                         what=f"{caller}'s check of {what}") is None:
     return
   programs = comm.mpi_comm.allgather(program_of(closed, arg_paths, sources=True))
   raise ValueError(describe_programs(programs, caller=caller, what=what, fix=fix))
@@ -381,8 +357,9 @@ _AXIS_PARAMS = {"psum": "axes", "pmax": "axes", "pmin": "axes", "all_gather": "a
 
 def user_collectives(closed: jcore.ClosedJaxpr, axis_name: str, *,
                      allowed_scope: str) -> list[str]:
-  """Collectives over `axis_name` that user code (not mnjax) traced into the program, each
-  described with its source; those inside ``jax.named_scope(allowed_scope)`` are left out.
+  """Collectives over `axis_name` that user code (not mnjax) traced, each with its source.
+
+  Those inside ``jax.named_scope(allowed_scope)`` are left out.
 
   Example:
     >>> closed = jax.make_jaxpr(lambda x: jax.lax.psum(x, "i"), axis_env=[("i", 2)])(1.0)

@@ -1,20 +1,12 @@
 """Who waited for whom: the timeline's rows matched across ranks, waits, the straggler report.
 
-Every rank stamps when it *arrived* at each collective and when it left, on clocks aligned to
-rank 0 (`mnjax.guard._clock`). The ``n``-th collective on one communicator is the same
-collective on every rank (they are issued in one order), so after the fact rank 0 matches
-them by ``(channel, seq)`` and, without any extra message during the step, splits each
-rank's time in it: the **wait** of rank ``r`` is ``max over ranks of arrival - arrival_r``
-(the time until the last peer came), the rest is the **exchange**. The rank that arrived
-last is the collective's straggler, late by its arrival minus the next latest one's.
-
-A *row* is one handler call or host collective on one rank::
+Rank 0 matches collectives by ``(channel, seq)`` (the n-th on a communicator is the same on
+every rank); the **wait** of rank ``r`` is the last arrival minus its own, the rest is the
+**exchange**. A *row* is one handler call or host collective on one rank::
 
     (channel, seq, group, kind, bucket, bytes, wire_bytes, step, start_ns, end_ns)
 
-``group`` joins the calls that make one logical collective (a 16-bit wire's alltoall and
-allgather, a bucket's shards on ``two_dimensional``'s per-device communicators): equal
-groups on one rank are one collective in the trace, with the logical byte count.
+Rows of equal ``group`` on one rank make one logical collective.
 """
 
 from __future__ import annotations
@@ -34,8 +26,7 @@ class Collective(dict):
 
 
 def _waits(rows_by_rank: list[list[tuple]]) -> tuple[dict, dict]:
-  """``(last arrival by (channel, seq), arrivals by (channel, seq))`` of the calls every
-  rank recorded (a call missing on some rank, e.g. dropped by the size limit, has none)."""
+  """``(last arrival, arrivals)`` by ``(channel, seq)``, of the calls every rank recorded."""
   arrivals: dict[tuple, dict[int, int]] = {}
   for rank, rows in enumerate(rows_by_rank):
     for row in rows:
@@ -75,11 +66,7 @@ def report(rows_by_rank: list[list[tuple]], steps_by_rank: list[dict[int, tuple]
   """The straggler report: per rank, how often it was a step's straggler and by how much
   (median, p95, ms), and the exchange's and the wait's share of its steps.
 
-  A rank's lateness in a step is the sum, over the step's collectives it arrived last at,
-  of its arrival minus the next latest one's: the time the others lost waiting for it alone.
-  The step's straggler is the rank with the largest. `steps_by_rank[r]`: step -> (start_ns,
-  end_ns) on rank r; only the collectives of these steps count (host collectives outside
-  any step do not).
+  `steps_by_rank[r]`: step -> (start_ns, end_ns) on rank r; only their collectives count.
 
   Example:
     >>> rows = [[(0, 0, None, "allreduce", -1, 8, 8, 0, 100, 900)],   # rank 0: waits

@@ -1,18 +1,11 @@
 """Timeline: every collective on every rank, on one time axis, as one Chrome/Perfetto trace.
 
-Horovod's timeline answers "why is this step slow, and who is everybody waiting for?".
-`Timeline` switches on the recording in `mnjax.comm._recorder` (mnjax's CPU handlers time
-every in-step collective; host collectives and point-to-point ops record themselves; train
-steps are marked), aligns every rank's clock to rank 0's (`mnjax.guard._clock`, refreshed
-at each `end_epoch`), gathers the events to rank 0 at each epoch's end and at `close`, splits
-each collective into wait and exchange (`mnjax.guard._straggler`), and rank 0 writes one trace
-JSON (`mnjax.guard._trace`) at the end. ``MNJAX_TIMELINE=path`` makes `lab.runner.train_loop`
-open one.
-
-Off, nothing is traced into a step (the lowered program is the one without a timeline). On,
-a step traced while it records carries tags (which bucket, which layer) and two step marks.
-When the events would exceed ``max_events`` the oldest steps are dropped (a ring of the
-last steps), and the trace and rank 0's log say so.
+`Timeline` switches on the recording in `mnjax.comm._instep._recorder`, aligns every rank's
+clock to rank 0's (`mnjax.guard._clock`, refreshed at each `end_epoch`), gathers the events to
+rank 0 at each epoch's end and at `close`, splits each collective into wait and exchange
+(`mnjax.guard._straggler`), and rank 0 writes one trace JSON (`mnjax.guard._trace`).
+``MNJAX_TIMELINE=path`` makes `lab.runner.train_loop` open one. Off, nothing is traced into
+a step; beyond ``max_events`` the oldest steps are dropped, and the trace says so.
 """
 
 from __future__ import annotations
@@ -24,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from mnjax.comm import _recorder as recorder
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._instep import _recorder as recorder
 from mnjax.guard import _straggler as straggler
 from mnjax.guard._clock import estimate_offsets
 from mnjax.guard._trace import trace_events
@@ -71,10 +64,8 @@ def _check_path(path: str) -> str:
 class Timeline:
   """Records every collective of every rank; rank 0 writes a Chrome/Perfetto trace at `close`.
 
-  Collective: create, `end_epoch`, `report` and `close` on every rank. The trace path is
-  checked when it is created (an error on every rank, before any step); use it as a context
-  manager around training. Steps traced while it records carry its tags and step marks; call
-  `step` as the host reaches each step (the loop does).
+  Collective: create, `end_epoch`, `report` and `close` on every rank; the path is checked at
+  creation. Use it as a context manager; call `step` as the host reaches each step.
 
   Args:
     comm: the `Communicator`.
@@ -115,7 +106,7 @@ class Timeline:
           f"Timeline: rank 0 cannot write the trace to {self.path!r} ({problem}). Pass a path"
           f" in a writable folder (or set {ENV} to one); nothing was recorded.")
     channels = [comm.device_comm, *comm.device_comms]
-    from mnjax.comm._primitives import _handle  # noqa: PLC0415 (the handles the lowerings pass)
+    from mnjax.comm._instep._primitives import _handle  # noqa: PLC0415 (the lowerings' handles)
     self._channels = {_handle(c): i for i, c in reversed(list(enumerate(channels)))}
     self._seq: dict[Any, int] = {}
     self._runs: dict[tuple, int] = {}
@@ -162,8 +153,7 @@ class Timeline:
   # -- recording ---------------------------------------------------------------------------
 
   def step(self, n: int) -> None:
-    """The host reaches step `n` (before dispatching it): host collectives from now on
-    belong to it, and the events so far are collected (local, cheap)."""
+    """The host reaches step `n` (before dispatching it); collects the events so far (local)."""
     t = self.now()
     if self._host_step in self._host_steps:
       self._host_steps[self._host_step][1] = t
@@ -175,8 +165,7 @@ class Timeline:
     self._collect()
 
   def pause(self) -> None:
-    """Collects what was recorded and stops recording (local): steps traced meanwhile carry
-    no tags or marks, and their collectives are not timed. `resume` undoes it."""
+    """Collects what was recorded and stops recording (local); `resume` undoes it."""
     self._collect()
     recorder.set_active(False)
 
@@ -191,8 +180,7 @@ class Timeline:
     self._epoch_first: int | None = None
 
   def end_epoch(self, epoch: int) -> dict | None:
-    """Epoch `epoch` ended (collective): gathers the events to rank 0, refreshes the clock
-    offsets, and returns the straggler report of the epoch's steps (rank 0; None elsewhere)."""
+    """Epoch `epoch` ended (collective): gathers, realigns clocks, returns rank 0's report."""
     first = None
     if self._epoch_start is not None and self._epoch_start[0] == epoch:
       self._epochs.append((int(epoch), self._epoch_start[1], self._aligned(recorder.now_ns())))
@@ -217,8 +205,7 @@ class Timeline:
         else:
           mark[1] = max(mark[1], e["end_ns"])
         continue
-      # The n-th call on one communicator is the same collective on every rank; calls
-      # between two ranks (or with no communicator named) are never matched.
+      # The n-th call on one communicator is the same collective on every rank.
       channel = (("rank", self.comm.rank) if kind in recorder.POINT_TO_POINT or not e["comm"]
                  else self._channels.get(int(e["comm"]), ("comm", int(e["comm"]))))
       info = recorder.tag_info(int(e["tag"]))
@@ -302,9 +289,9 @@ class Timeline:
   # -- the end -----------------------------------------------------------------------------
 
   def close(self, *, failed: bool = False) -> dict | None:
-    """Stops recording; rank 0 writes the trace (collective, except with ``failed=True``: a
-    run that raised writes rank 0's own events only, without waiting for the others).
-    Returns the straggler report on rank 0."""
+    """Stops recording; rank 0 writes the trace and returns the straggler report.
+
+    Collective, except with ``failed=True`` (rank 0's own events only, without waiting)."""
     if self.closed:
       return None
     self.closed = True

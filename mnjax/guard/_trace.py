@@ -1,17 +1,9 @@
 """The timeline as Chrome trace events (what Perfetto and chrome://tracing read).
 
-Complete events (``"ph": "X"``, ``ts`` and ``dur`` in microseconds from the first event,
-``pid`` = rank) on five tracks per rank:
-
-* ``tid 0`` **epochs** and ``tid 1`` **steps** (``args.step``);
-* ``tid 2`` **collectives**: one event per collective, named by its kind (``bucket allreduce
-  3``, ``SyncBatchNorm statistics``, ``broadcast``, ...) with ``args`` ``op``, ``bytes``
-  (the buffer reduced, before any 16-bit wire conversion), ``wire_bytes`` (what the
-  handlers moved), ``bucket``, ``step``, ``wait_us``, ``host`` (false);
-* ``tid 3`` **phase**: the step cut into ``compute`` / ``wait`` / ``exchange`` segments
-  (``cat`` the same), what ``python -m lab.timeline view`` colours;
-* ``tid 4`` **host collectives** (``args.host`` true): `mnjax.broadcast`, the pre-flight
-  checks, host allreduces (metrics), with the step the host was at (-1 before the first).
+Complete events (``"ph": "X"``, times in us, ``pid`` = rank) on five tracks per rank:
+``tid`` 0 epochs, 1 steps, 2 collectives (``args``: ``op``, ``bytes``, ``wire_bytes``,
+``bucket``, ``step``, ``wait_us``, ``host``), 3 phase (``compute`` / ``wait`` /
+``exchange``), 4 host collectives.
 """
 
 from __future__ import annotations
@@ -69,8 +61,7 @@ def trace_events(per_rank: list[list[dict]], steps_by_rank: list[dict],
 
 
 def _phases(rank: int, collectives: list[dict], steps: dict, base: int) -> list[dict]:
-  """Each step as compute / wait / exchange segments: a collective's first ``wait`` ns are
-  waiting for the last peer, the rest exchange; what no collective covers is compute."""
+  """Each step as compute / wait / exchange segments (uncovered time is compute)."""
   out = []
   by_step: dict[int, list[dict]] = {}
   for c in collectives:

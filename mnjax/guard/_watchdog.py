@@ -1,31 +1,11 @@
 """Stall watchdog: ranks that stop reaching the same step are reported, then the job aborts.
 
-A synchronous data-parallel job moves at the pace of its slowest rank, and a rank that
-stops (stuck reading a file, killed by the out-of-memory killer, wedged in a driver) leaves
-the others blocked in the next collective with nothing printed — Horovod's stall inspector
-exists for this. `Watchdog` runs a background thread on every rank. The training loop calls
-``watchdog.step(n)`` as it reaches step ``n``; every ``interval`` seconds each rank sends its
-step and its count of in-step collectives entered and completed (`mnjax.comm._native`) to rank 0
-over a private MPI communicator, and rank 0 answers with a heartbeat. Then:
-
-- a rank that has waited inside an in-step collective for ``timeout`` seconds is *blocked*:
-  rank 0 names the ranks that never entered that collective and the step they are at;
-- a rank that has not reached a step within ``timeout`` seconds of the first rank reaching
-  it is *late* (the only signal where the in-step collectives are not mnjax's CPU
-  handlers, e.g. mpi4jax's GPU ones);
-- a rank rank 0 has not heard from for ``heartbeat_timeout`` seconds is *silent* (dead, or
-  its process holds the Python GIL): rank 0 aborts; a rank that does not hear rank 0 for
-  that long aborts, naming rank 0;
-- a rank that has waited ``FINISHED_GRACE`` seconds (at most ``timeout``) inside an in-step
-  collective that a rank which has already *finished* (stopped its watchdog) never entered
-  can never go on: it is reported then, naming the finished rank (on GPUs, without the
-  collective counters: a finished rank behind a running one's step, after ``timeout``).
-  Rank 0 watches for this, and the others do when rank 0 is the one that finished.
-
-It costs one small message per rank per ``interval`` (1 s) on a thread that sleeps in
-between: nothing measurable per step. Creating one is collective (it clones the
-communicator); stopping is local and tells the peers, so ranks finishing at different
-times do not trigger it.
+`Watchdog` runs a background thread on every rank. The loop calls ``watchdog.step(n)``; every
+``interval`` seconds each rank sends its step and its counts of in-step collectives entered
+and completed to rank 0 over a private communicator, and rank 0 answers with a heartbeat.
+A rank blocked in a collective, late to a step, silent, or waiting for a rank that has
+finished is reported, naming the ranks, and every rank aborts. Creating one is collective;
+stopping is local and tells the peers.
 """
 
 from __future__ import annotations
@@ -38,8 +18,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mnjax.comm import _failfast as failfast
-from mnjax.comm import _native as native
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._instep import _native as native
 from mnjax.guard import _straggler as straggler
 from mnjax.guard import _timeline as timeline
 
@@ -48,8 +28,7 @@ __all__ = ["Watchdog"]
 _TAG = 7301
 _RUNNING, _DONE = 0, 1
 
-#: Seconds a rank may sit in an in-step collective that a finished rank never entered
-#: before it is reported (it can never complete; the grace covers the counters' sampling).
+#: Seconds in a collective that a finished rank never entered before it is reported.
 FINISHED_GRACE = 5.0
 
 
@@ -58,9 +37,8 @@ class Watchdog:
 
   Args:
     comm: the `Communicator`.
-    timeout: seconds a rank may take to reach a step after the first rank reached it.
-      Every rank takes the same steps, so this bounds the skew between ranks, not the
-      length of a step, an evaluation or a compilation (all ranks do those together).
+    timeout: seconds a rank may take to reach a step after the first rank reached it (the
+      skew between ranks, not the length of a step or a compilation).
     heartbeat_timeout: seconds without any message from a rank (or, on the others, from
       rank 0) before it counts as dead.
     interval: seconds between heartbeats.
@@ -153,8 +131,7 @@ class Watchdog:
       yield status.Get_source(), message
 
   def _report(self) -> None:
-    """Ranks other than 0: send the step, watch rank 0's heartbeat (and, once rank 0 has
-    finished, whether this rank waits for it in a collective it never entered)."""
+    """Ranks other than 0: send the step, watch rank 0's heartbeat and whether it finished."""
     heard, root_done, root_final = time.monotonic(), False, None
     view = _JobView(1, time.monotonic())  # this rank alone: when its counters last moved
     while not self._stop.wait(self.interval):
@@ -231,8 +208,7 @@ class _JobView:
 
   def waiting_for_finished(self, now: float, finished: dict[int, np.ndarray], timeout: float,
                            names: dict[int, int] | None = None) -> str:
-    """A report if a running rank of this view waits for a rank in `finished` (rank ->
-    its last message ``[step, flag, entered, completed]``) that can never join it; ''.
+    """A report if a running rank waits for a rank in `finished` that can never join; ''.
 
     `names` maps this view's indices to the ranks they are (default: the same).
     """

@@ -1,14 +1,12 @@
 """Model parallelism: a model whose stages live on different ranks, and GPipe over them.
 
 * `MultiNodeChain`: ChainerMN's ``MultiNodeChainList`` as a chain of flax modules placed
-  on ranks; activations cross ranks through `mnjax.functions` inside each rank's jitted
-  step, each rank holds (and checkpoints, with `mnjax.checkpoint.PerRankState`) only its
-  stages' parameters; ``micro_batches=M`` runs the GPipe schedule.
-* `ChannelParallelConv`: ChainerMN's channel-parallel convolution (each rank holds a slice
-  of the output channels, an in-step allgather joins them), `join_slices`, `slice_grads`.
-* The schedule itself, pure Python: `gpipe` (the ideal timetable), `programs` (each rank's
-  order), `simulate` (runs them with blocking sends: deadlocks named, idle time counted),
-  `bubble_fraction` ((S - 1) / (M + S - 1)) and `idle_fraction`.
+  on ranks, exchanging activations through `mnjax.functions`; ``micro_batches=M`` runs
+  GPipe. Checkpoint each rank's stages with `mnjax.checkpoint.PerRankState`.
+* `ChannelParallelConv`: ChainerMN's channel-parallel convolution; `join_slices`,
+  `slice_grads`.
+* The schedule, pure Python: `gpipe`, `programs`, `simulate`, `bubble_fraction`,
+  `idle_fraction`.
 
 Example::
 

@@ -1,32 +1,10 @@
 """A model whose stages live on different ranks: ChainerMN's ``MultiNodeChainList`` as a
 functional chain of flax modules, with GPipe micro-batching over the same stages.
 
-ChainerMN builds one ``MultiNodeChainList`` per rank and registers on each the links that
-rank runs, with the ranks it receives from and sends to. Here every rank builds the same
-`MultiNodeChain` — the whole list of ``(module, rank)`` stages, a chain in which stage s
-feeds stage s + 1 — and each rank runs only its own stages inside its jitted step:
-
-* parameters are per rank: `MultiNodeChain.init` initialises only this rank's stages (stage
-  s from ``fold_in(rng, s)``, so `init_all` gives a single-process model the very same
-  parameters), as ``{"stage_<s>": variables}``;
-* `MultiNodeChain.loss` runs the forward: the first stage reads the batch, an activation
-  crossing ranks goes through `mnjax.functions.send` / ``recv`` (``recv``'s ``like`` comes
-  from ``jax.eval_shape`` of the modules, which every rank has), consecutive stages on one
-  rank pass it directly. The rank of the last stage returns the loss, every other rank the
-  delegate of its last send (ChainerMN's delegate variable), joined to every earlier one with
-  ``pseudo_connect``: ``jax.grad`` of it, on every rank, runs the backward, the cotangents
-  going back the way the activations came;
-* `MultiNodeChain.optimizer` gives one optax transformation per stage over this rank's
-  parameters; `mnjax.checkpoint.PerRankState` saves and restores them bitwise;
-* with ``micro_batches=M`` the batch is split in M and each rank's step runs its actions in
-  GPipe order (`mnjax.model_parallel._schedule.programs`), the gradients of the M
-  micro-batches adding up in ``jax.grad``. The order is checked for deadlocks at
-  construction (`simulate`): a chain that comes back to a rank ([0, 1, 0]) only runs with
-  ``micro_batches=1``.
-
-What ChainerMN has and this does not: a stage with several inputs or outputs (``rank_in`` /
-``rank_out`` lists), an output in the middle of the chain, flax collections other than
-``params`` (BatchNorm statistics).
+Every rank builds the same `MultiNodeChain` (all ``(module, rank)`` stages) and runs only
+its own stages in its jitted step, passing activations with `mnjax.functions.send` /
+``recv``; ``jax.grad`` of `loss` on every rank runs the backward. ``micro_batches=M`` runs
+GPipe (`mnjax.model_parallel._schedule.programs`). Design: docs/design/model_parallel.md.
 """
 
 from __future__ import annotations
@@ -39,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._host import gather_if_different
+from mnjax.comm._host._agreement import gather_if_different
 from mnjax.model_parallel import _schedule as schedule
 
 __all__ = ["MultiNodeChain"]
@@ -72,12 +50,10 @@ class MultiNodeChain:
     stages: ``[(module, rank), ...]`` in chain order; stage s's output is stage s + 1's
       input, the last stage's output the model's.
     micro_batches: M >= 1; above 1, `loss` runs GPipe over M micro-batches of the batch
-      (its leading axis must divide by M); the stages' ranks must then not come back to a
-      rank (the order would deadlock: refused here).
+      (its leading axis must divide by M); the stages' ranks must not come back to a rank.
 
-  Raises (on every rank, before any message): `TypeError`/`ValueError` for a stage that is
-  not ``(flax module, rank of comm)``, `schedule.ScheduleError` for a micro-batched chain
-  that deadlocks, `ValueError` when the ranks built different chains.
+  Raises (on every rank, before any message): `TypeError`/`ValueError` for a bad stage,
+  `schedule.ScheduleError` for a deadlocking chain, `ValueError` for differing chains.
 
   Example:
     >>> import flax.linen as nn
@@ -126,7 +102,7 @@ class MultiNodeChain:
       schedule.simulate(program, self.stage_ranks)  # raises ScheduleError on a deadlock
     self._forward = [a for a in program.get(comm.rank, []) if a.kind == "F"]
     described = (repr(self.modules), self.stage_ranks, micro_batches)
-    everyone = gather_if_different(comm, described, what="MultiNodeChain")
+    everyone = gather_if_different(comm, "MultiNodeChain", described, what="MultiNodeChain")
     if everyone is not None:
       other = next(r for r, d in enumerate(everyone) if d != everyone[0])
       raise ValueError(
@@ -164,8 +140,7 @@ class MultiNodeChain:
     return self._init(rng, x, self.own_stages)
 
   def init_all(self, rng: jax.Array, x: Any) -> dict[str, Any]:
-    """Every stage's variables, as the ranks' `init` give them together (the
-    single-process model of `apply_all`)."""
+    """Every stage's variables, as the ranks' `init` give them together."""
     return self._init(rng, x, range(len(self.modules)))
 
   def apply_all(self, params: dict[str, Any], x: Any) -> Any:
@@ -176,8 +151,7 @@ class MultiNodeChain:
 
   def _run(self, params: dict[str, Any], xs: Any, targets: Any, loss_fn: Callable | None,
            micro: int) -> Any:
-    """This rank's forward over its actions; the loss (mean over the micro-batches) or the
-    output on the output rank, the joined delegates elsewhere (0.0 without any)."""
+    """This rank's forward: the loss or output on the output rank, else the delegates."""
     me, last = self.comm.rank, len(self.modules) - 1
     spec = self._inputs(jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype))
     local: dict[tuple[int, int], Any] = {}
@@ -223,10 +197,9 @@ class MultiNodeChain:
 
   def loss(self, params: dict[str, Any], x: Any, target: Any,
            loss_fn: Callable[[Any, Any], jax.Array]) -> jax.Array:
-    """``loss_fn(output, target)`` on `output_rank` (with M micro-batches, the mean of M
-    micro-batch losses: the batch mean for a mean loss), a delegate elsewhere. Every rank
-    differentiates it: ``jax.grad(chain.loss)(params, x, y, loss_fn)`` is this rank's
-    stages' gradient. `target` is read on `output_rank` only, `x` on the first stage's."""
+    """``loss_fn(output, target)`` on `output_rank` (the mean over micro-batches), a
+    delegate elsewhere; ``jax.grad(chain.loss)(params, x, y, loss_fn)`` on every rank is
+    this rank's stages' gradient."""
     return self._run(params, self._split(x, "batch"), self._split(target, "target"), loss_fn,
                      self.micro_batches)
 

@@ -1,18 +1,10 @@
 """A convolution whose output channels are split over the ranks: ChainerMN's channel-parallel
-convolution (``examples/chainermn/parallel_convolution``) as a flax module.
+convolution as a flax module.
 
-Each rank holds the kernel (and bias) of ``features // comm.size`` consecutive output
-channels, convolves the whole input with them, and `mnjax.functions.allgather` joins the
-slices in rank order: every rank gets the full activation, the same as one ``nn.Conv`` whose
-kernel is the ranks' slices concatenated (`join_slices`). The backward of the allgather (as
-ChainerMN's) gives each rank the sum over ranks of its slice's cotangent; where every rank
-computes the same loss that is ``comm.size`` times the slice's gradient, which `slice_grads`
-divides back (ChainerMN's example leaves it multiplied). ``init`` sends nothing (the later
-layers only need the shape), so it runs outside `mnjax.functions.jit`.
-
-ChainerMN's ``ParallelConvolution2D`` also gives each rank a strided subset of the input
-channels (``in_channels[rank::size]``), which makes it another model than the plain
-convolution; here the input is whole, so the model is the single-process one.
+Each rank holds ``features // comm.size`` consecutive output channels, convolves the whole
+input with them, and `mnjax.functions.allgather` joins the slices in rank order: the same
+as one ``nn.Conv`` whose kernel is the slices concatenated (`join_slices`). `slice_grads`
+divides the allgather's summed gradient back to this rank's slice. ``init`` sends nothing.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The GPipe schedule over a chain of stages: what each rank runs in which order, whether
 that order can deadlock, and how much of the time the ranks stand idle (the bubble).
 
-GPipe (Huang et al. 2019) splits a batch into M micro-batches; stage s runs forward on
-micro-batch m in slot ``s + m``, and once every micro-batch has left the last stage the
-backward runs the mirror image; gradients of all M add up before one optimizer update. With
-S stages of equal cost, each rank is busy 2M of the 2(M + S - 1) slots: the idle fraction,
-the bubble, is ``(S - 1) / (M + S - 1)`` (`bubble_fraction`).
-
-In mnjax each rank's jitted step is one program: the forward over its stages' actions in
-`programs` order, then ``jax.grad``'s backward, the same actions reversed (the transposes of
-`mnjax.functions.send` / ``recv`` run in reverse trace order). `simulate` executes those
-programs with MPI's blocking-send semantics (a send waits for its receive) and unit or given
-costs, and returns the executed timetable: `idle_fraction` of it is the measured bubble
-(counted idle slots), and a deadlock, or a send whose receive expects another message, is
-an error naming the ranks. `MultiNodeChain.pipeline` checks its programs with it before it
-traces anything.
+Stage s runs forward on micro-batch m in slot ``s + m``, then the backward mirrors it; with
+S equal stages the idle fraction is ``(S - 1) / (M + S - 1)`` (`bubble_fraction`).
+`programs` gives each rank's order, and `simulate` runs the programs with blocking sends,
+returning the executed timetable (`idle_fraction`) or raising `ScheduleError` on a deadlock.
 """
 
 from __future__ import annotations
@@ -83,8 +73,7 @@ def gpipe(stages: int, micro_batches: int) -> list[list[Action | None]]:
 
 
 def idle_fraction(executed: Sequence[Executed] | Sequence[Sequence[Action | None]]) -> float:
-  """The fraction of rank-time spent idle: of a `gpipe` table (idle slots over all slots),
-  or of `simulate`'s executed actions (1 - busy time / (ranks x makespan)).
+  """The fraction of rank-time spent idle, of a `gpipe` table or of `simulate`'s run.
 
   Example:
     >>> idle_fraction(gpipe(4, 12)) == bubble_fraction(4, 12)
@@ -101,8 +90,7 @@ def idle_fraction(executed: Sequence[Executed] | Sequence[Sequence[Action | None
 
 def programs(stage_ranks: Sequence[int], micro_batches: int) -> dict[int, list[Action]]:
   """Each rank's actions in the order its step runs them: the forward of its stages in
-  GPipe slot order (a later stage first within a slot: its input is older), then the
-  backward, the forward reversed (``jax.grad``'s order).
+  GPipe slot order (a later stage first within a slot), then the backward, reversed.
 
   Args:
     stage_ranks: the rank of each stage, in chain order.
@@ -140,9 +128,8 @@ def _steps(action: Action, stage_ranks: Sequence[int], cost: float) -> list[tupl
 def simulate(progs: Mapping[int, Sequence[Action]], stage_ranks: Sequence[int], *,
              costs: Mapping[str, Sequence[float]] | None = None,
              eager: bool = False) -> list[Executed]:
-  """Runs `progs` (from `programs`) with blocking point-to-point messages: a send waits
-  until its receiver reaches the matching receive (MPI's rendezvous, what a large message
-  gets; ``eager=True``: sends never wait, as small messages), messages cost no time.
+  """Runs `progs` (from `programs`) with blocking point-to-point messages (a send waits for
+  its receive, MPI's rendezvous); messages cost no time.
 
   Args:
     progs: each rank's actions, in order.
@@ -151,8 +138,7 @@ def simulate(progs: Mapping[int, Sequence[Action]], stage_ranks: Sequence[int], 
     eager: buffered sends.
 
   Returns:
-    Every action with its rank and the start and end of its computation (time blocked in a
-    message is idle), in the order they ran.
+    Every action with its rank, start and end, in the order they ran.
 
   Raises:
     ScheduleError: the programs deadlock (naming what each blocked rank waits for), or a

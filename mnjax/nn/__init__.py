@@ -13,7 +13,7 @@ Example::
     norm = partial(mnjax.nn.SyncBatchNorm, comm=comm, use_running_average=not train)
 """
 
-from mnjax.comm._host import allreduce_persistent
+from mnjax.comm._host._broadcast import allreduce_persistent
 from mnjax.nn._batch_norm import SyncBatchNorm
 from mnjax.nn._convert import create_mnbn_model
 

@@ -2,41 +2,14 @@
 ``MultiNodeBatchNormalization``) and `allreduce_persistent` (ChainerMN's
 ``AllreducePersistent``).
 
-With plain data parallelism every replica normalises with the statistics of its own few
-examples (32 per GPU in the ChainerMN and Goyal et al. runs), so the model that trains is
-not the one a single process would train on the global batch. `SyncBatchNorm` sums each
-layer's per-feature ``[sum(x), sum(x^2)]`` and its example count (one number; a row
-per feature with a mask) over every device of every rank, in one collective, so the
-forward pass, the running statistics and the gradients equal flax's ``nn.BatchNorm`` on
-the concatenated global batch (the tests check this to 1e-5).
-
-How the collectives stay correct:
-
-* **Gradients.** The global sum is a `jax.custom_vjp` whose backward pass is the same sum
-  of the cotangents (every rank's local sums feed every rank's statistics), so
-  ``d loss / d x`` includes the other ranks' examples, as on the concatenated batch.
-* **Order.** XLA runs independent custom calls in any order, so two layers on parallel
-  branches (a ResNet block's main path and projection shortcut) could issue their
-  collectives in a different order on each rank and cross-match. Each layer's collective
-  therefore takes the previous layer's result as its ``after`` operand (the layers are
-  chained in call order while the step is traced), and its backward pass returns a
-  cotangent for ``after`` that depends on its own backward collective: the backward
-  collectives run in exactly the reverse order. Both directions go through the step's one
-  order chain (`mnjax.comm._sequence.ORDER`), and `mnjax.allreduce_gradients`' first bucket
-  takes its last link, so the gradient buckets come after all of them. (A computation traced
-  separately, e.g. under ``nn.remat``, starts a new chain; the buckets then wait for every
-  gradient leaf instead.) The ``xla`` kind's sums are XLA's own ``psum``, which XLA orders
-  and matches across devices itself: they stay out of the chain, so that XLA:GPU combines
-  the backward sums of parallel layers as it does their forward ones, as under plain
-  ``jax.jit`` (docs/results/aot.md).
-
-Eval statistics, two options besides the usual moving average:
-
-* Akiba et al. (2017) evaluate with the statistics of the last training minibatch: use
-  ``momentum=0.0``; with `SyncBatchNorm` the stored statistics are then exactly those of the
-  last *global* minibatch.
-* With per-rank ``nn.BatchNorm``, the running statistics differ across ranks:
-  `allreduce_persistent` averages them before evaluation or checkpointing.
+`SyncBatchNorm` sums each layer's per-feature ``[sum(x), sum(x^2)]`` and its example count
+over every device of every rank in one collective, so forward pass, running statistics and
+gradients equal flax's ``nn.BatchNorm`` on the global batch. The sum is a `jax.custom_vjp`
+whose backward pass is the same sum of the cotangents; each layer's collective is chained
+after the previous one (`mnjax.comm._instep._sequence.ORDER`), and backward in reverse order,
+so every rank issues them in one order (the ``xla`` kind's ``psum`` is left to XLA).
+``momentum=0.0`` keeps the last global minibatch's statistics (Akiba et al.);
+`allreduce_persistent` averages per-rank statistics before evaluation or checkpointing.
 """
 
 from __future__ import annotations
@@ -50,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import dtypes as flax_dtypes
 
-from mnjax.comm import _sequence as sequence
-from mnjax.comm._collectives import sum_buffer
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._host import allreduce_persistent  # a host collective; exported here too
+from mnjax.comm._host._broadcast import allreduce_persistent  # a host collective; exported here too
+from mnjax.comm._instep import _sequence as sequence
+from mnjax.comm._instep._allreduce import sum_buffer
 
 __all__ = ["SyncBatchNorm", "allreduce_persistent"]
 
@@ -61,30 +34,13 @@ __all__ = ["SyncBatchNorm", "allreduce_persistent"]
 class SyncBatchNorm(nn.Module):
   """flax ``nn.BatchNorm`` with statistics over every device of every rank of `comm`.
 
-  A drop-in replacement: the same attributes (after `comm`), call signature, variable
-  collections (``params``: ``scale``, ``bias``; ``batch_stats``: ``mean``, ``var``) and
-  variable paths, so checkpoints and code written for ``nn.BatchNorm`` keep working. flax
-  names an unnamed submodule after its class, and this class carries ``nn.BatchNorm``'s
-  name for that (``SyncBatchNorm.__name__ == "BatchNorm"``; ``__qualname__`` stays
-  ``SyncBatchNorm``): a model whose norm is switched keeps ``BatchNorm_0``, ``BatchNorm_1``,
-  ... (also when it mixes both kinds of layer), and its module repr reads
-  ``BatchNorm(comm=...)``. ``axis_name`` and ``axis_index_groups`` must stay None: `comm`
-  already spans the local devices (inside `mnjax.data_parallel`) and every process.
-  Initialisation (``model.init``) uses local statistics and issues no collective, like
-  ``nn.BatchNorm``.
+  A drop-in replacement: the same attributes (after `comm`), call signature, variables and
+  variable paths (``SyncBatchNorm.__name__ == "BatchNorm"``, so flax's automatic names stay
+  ``BatchNorm_0``, ...). ``axis_name`` and ``axis_index_groups`` must stay None. ``init``
+  issues no collective. Statistics are float32 (``force_float32_reductions=True``).
 
-  Half precision (e.g. float16 inputs with float32 parameters, ChainerMN's ``mixed16``): as
-  flax's, the statistics, their global sum (on the wire too) and the backward pass through
-  them are float32 (``force_float32_reductions=True``). A step whose float16 layers
-  differentiate each replica's mean loss then matches the whole batch to float32 rounding
-  only if the reference sums the replicas' means; against the global mean, float16 rounds
-  cotangents of another scale (1/replicas) differently, upstream of this layer.
-
-  Call it on every rank, in the same layers, with the same feature shapes (SPMD); batch
-  sizes may differ between ranks (the counts travel with the sums). In a step run by
-  `mnjax.data_parallel` (training or forward-only) that is checked once per trace, before
-  the step first runs: a rank with another number of layers or another feature width
-  raises the same `ValueError` on every rank, naming the layer and the ranks.
+  Call it on every rank, in the same layers, with the same feature shapes; batch sizes may
+  differ. Under `mnjax.data_parallel` that is checked once per trace, on every rank.
 
   Example:
     >>> norm = functools.partial(mnjax.SyncBatchNorm, comm)
@@ -162,7 +118,7 @@ class SyncBatchNorm(nn.Module):
     else:
       weight = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).astype(dtype)
       count = weight.sum(reduction_axes)
-    # During init no collective: the axis and the other ranks need not exist (as flax).
+    # No collective during init (as flax): the other ranks need not exist yet.
     layer = "/".join(self.scope.path) or type(self).__qualname__
     reduce = (_local_sum if self.is_initializing()
               else functools.partial(_chained_sum, self.comm, layer))
@@ -201,8 +157,7 @@ class SyncBatchNorm(nn.Module):
     return jnp.asarray(y, flax_dtypes.canonicalize_dtype(*args, dtype=self.dtype))
 
 
-# flax auto-names an unnamed submodule `<type(module).__name__>_<i>`, one counter per name:
-# under nn.BatchNorm's name, a model switched to SyncBatchNorm keeps its variable paths.
+# flax auto-names submodules after __name__: keep nn.BatchNorm's variable paths.
 SyncBatchNorm.__name__ = "BatchNorm"
 
 
@@ -211,9 +166,7 @@ def _local_sum(parts):
 
 
 def _chained_sum(comm: Communicator, layer: str, parts: list) -> tuple:
-  """Global sums of `parts` (same dtype, any shapes) in one collective, ordered after the
-  previous SyncBatchNorm collective, and noted for the step's pre-flight check
-  (`mnjax.comm._sequence.recording`)."""
+  """Global sums of `parts` in one collective, chained and noted for the pre-flight check."""
   if comm.num_replicas == 1:
     return tuple(parts)
   if comm.size > 1 and not sequence.recording_open():
@@ -250,9 +203,7 @@ def _global_sum_bwd(comm, after, cotangent):
   # Each rank's local sums enter every rank's output: the transpose is the same global sum.
   summed = sum_buffer(cotangent, comm, sequence.ORDER.take(cotangent.dtype))
   sequence.ORDER.put(summed)  # the gradient buckets come after it (`allreduce_tree`)
-  # Zero, but computed from this backward collective's result: the previous layer's backward
-  # collective (which receives this cotangent) must wait for this one. XLA does not fold
-  # x * 0 for floats (NaN semantics), so the dependency survives compilation.
+  # Zero, but from this collective's result (XLA keeps x * 0 for floats): orders the next one.
   return summed, jnp.zeros_like(after) + summed[-1].astype(after.dtype) * 0
 
 
@@ -260,8 +211,7 @@ _global_sum.defvjp(_global_sum_fwd, _global_sum_bwd)
 
 
 def _xla_orders_it(comm: Communicator) -> bool:
-  """Whether `comm`'s sum is XLA's own ``psum`` alone (``xla``; ``single_node`` in one
-  process: `mnjax.comm._collectives._axis`), which XLA matches across devices itself."""
+  """Whether `comm`'s sum is XLA's own ``psum`` alone, which XLA orders itself."""
   return comm.kind == "xla" or (comm.kind == "single_node" and comm.size == 1)
 
 
@@ -275,9 +225,7 @@ def _xla_sum_fwd(comm, local):
 
 
 def _xla_sum_bwd(comm, _, cotangent):
-  # Unchained: no false dependency between layers, so XLA:GPU combines the backward sums
-  # of parallel layers (a block's last norm and its projection shortcut's) as it combines
-  # their forward ones, and schedules each where it fits.
+  # Unchained, so XLA:GPU can combine parallel layers' backward sums.
   return (sum_buffer(cotangent, comm),)
 
 

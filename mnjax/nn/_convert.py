@@ -1,26 +1,11 @@
 """`create_mnbn_model`: an existing flax model whose BatchNorm layers are synchronized.
 
-ChainerMN's ``create_mnbn_model(link, comm)`` copies a model, replacing every
-``BatchNormalization`` link by a ``MultiNodeBatchNormalization``. A flax model builds its
-layers while it runs (``nn.compact``), often inline (``nn.BatchNorm(...)(x)``), so there is no
-tree of layers to copy. Instead the converted model is the same model — the same class
-(a subclass of it, with its name), the same fields — whose every call runs under a flax
-method interceptor (``nn.intercept_methods``): where flax's ``BatchNorm.__call__`` would run,
-`mnjax.SyncBatchNorm` runs instead, with the layer's own attributes, **in the layer's own
-scope**. So nothing in the model is edited, and its variables keep their paths, names,
-shapes and dtypes (``params``: ``scale``, ``bias``; ``batch_stats``: ``mean``, ``var``):
-checkpoints of the original load into the converted model and back.
-
-What counts is flax's ``BatchNorm.__call__`` itself, wherever it is reached from: layers
-made inline, in ``setup``, passed in as a field (``norm=nn.BatchNorm``), shared between calls,
-a subclass's ``super().__call__`` or the inner call of a lifted transform (``nn.remat``). The
-layer's ``axis_name`` is dropped (`comm` already spans every device of every rank); an
-``axis_index_groups`` is refused (a subgroup is not the global batch).
-
-The one flax internal used is ``Module._call_wrapped_method`` (the path of every method call
-of a module; the converted class enters the interceptor there, so `init`, `apply`,
-``method=`` and use as a submodule all convert); `tests/distributed/test_create_mnbn_model.py`
-pins the behaviour.
+The converted model is a subclass of the model's class (same name and fields) whose every
+method call (``Module._call_wrapped_method``) runs under a flax method interceptor: wherever
+flax's ``BatchNorm.__call__`` would run, `mnjax.SyncBatchNorm` runs with the layer's own
+attributes in the layer's own scope, so the variables keep their paths, shapes and dtypes and
+checkpoints load both ways. The layer's ``axis_name`` is dropped; ``axis_index_groups`` is
+refused.
 """
 
 from __future__ import annotations
@@ -52,13 +37,9 @@ def create_mnbn_model(model: nn.Module, comm: Communicator) -> nn.Module:
   """`model`, with every flax ``nn.BatchNorm`` in it run as `mnjax.SyncBatchNorm` (ChainerMN's
   ``create_mnbn_model``).
 
-  The result is an instance of a subclass of ``type(model)`` (same name, same fields, same
-  call signature), used exactly like `model`: ``init``, ``apply`` (also ``method=``), as a
-  submodule, in a train state. Its variables have the same tree
-  (paths, shapes, dtypes) as `model`'s, so a checkpoint of either restores into the other;
-  `model` itself is not changed. On one replica it computes what `model` computes; on
-  several, what `model` computes on the global batch. As with `SyncBatchNorm`, apply it in
-  training mode on several processes inside `mnjax.data_parallel`.
+  The result is an instance of a subclass of ``type(model)``, used exactly like `model`, with
+  the same variable tree (checkpoints restore both ways); `model` itself is not changed. On
+  several processes, apply it in training mode inside `mnjax.data_parallel`.
 
   Args:
     model: an unbound flax module (not yet initialised or bound), made outside any other

@@ -1,16 +1,8 @@
 """Gradient accumulation whose micro-steps communicate nothing.
 
-`optax.MultiSteps` runs the inner optimizer on *every* micro-step and masks its output
-(``emit * updates``), so an ``allreduce_gradients`` inside it exchanges gradients k times
-per update (measured by `tests/distributed/test_accumulation.py` with
-`mnjax.comm._native.allreduce_calls`). `accumulate_gradients` calls the inner transformation in a
-``lax.cond`` branch taken only on the k-th micro-step, so the collective runs once, on the
-averaged gradient: k-times less traffic, and the same update as one step on a k-times
-larger batch (equal micro-batch sizes). Every rank counts micro-steps identically, so every
-rank takes the same branch.
-
-    tx = mnjax.accumulate_gradients(
-        optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3)), every_k=4)
+`accumulate_gradients` sums the micro-step gradients and calls the inner transformation in a
+``lax.cond`` branch taken only on the k-th micro-step, so its collective runs once per update,
+on the mean gradient. Every rank counts micro-steps identically and takes the same branch.
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mnjax.comm import _sequence as sequence
+from mnjax.comm._instep import _sequence as sequence
 
 __all__ = ["AccumulationState", "accumulate_gradients"]
 
@@ -49,8 +41,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int
 
   Raises:
     ValueError: while the step is traced, under the ``xla`` kind with several local devices
-      per process (each device's partial sum would not survive the step there), and from
-      `mnjax.Checkpointer.save` inside a cycle with several replicas.
+      per process, and from `mnjax.Checkpointer.save` inside a cycle with several replicas.
 
   Example:
     >>> tx = mnjax.accumulate_gradients(
@@ -70,7 +61,6 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int
   def init_fn(params):
     return AccumulationState(
         micro_step=jnp.zeros((), jnp.int32),
-        # float32 (or wider) sums, also for half-precision parameters
         grad_sum=jax.tree.map(
             lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params),
         inner_state=inner.init(params),
@@ -97,8 +87,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       return zeros, inner_state, grad_sum
 
-    # Inside, mnjax's collectives compare every_k across ranks with their own pre-flight
-    # check: another period on one rank would issue another number of exchanges (a hang).
+    # The pre-flight check compares every_k across ranks: another period would hang.
     with sequence.enclosing("accumulate_gradients", {"every_k": every_k}):
       new_updates, inner_state, grad_sum = jax.lax.cond(
           last, apply, wait, grad_sum, state.inner_state)

@@ -1,8 +1,4 @@
-"""The 15-minute ImageNet recipe of Akiba, Suzuki and Fukuda 2017 as optax objects.
-
-"Extremely Large Minibatch SGD: Training ResNet-50 on ImageNet in 15 Minutes" (arXiv
-1711.04325; ChainerMN on 1024 P100s, global batch 32768, 74.9% top-1 in 90 epochs) keeps a
-32k batch stable with three pieces, here one function each:
+"""The 15-minute ImageNet recipe of Akiba, Suzuki and Fukuda (arXiv 1711.04325) as optax objects.
 
 * `rmsprop_warmup`: momentum SGD whose step starts as RMSprop's (with its own, small learning
   rate) and hands over to plain SGD's;
@@ -10,15 +6,7 @@
 * `slow_start_schedule`: the learning rate, ``0.1 x batch / 256`` times 0.5, 0.075, 0.01 and
   0.001 from epochs 0, 40, 70 and 85.
 
-The paper's own text was not reachable when this was written: the formulas are those of two
-public secondary sources that transcribe it, a paper-reading note and a public Chainer
-reimplementation of the update rule (``RMSpropWarmup``, whose defaults ``lr_rmsprop=3e-4``,
-``mu1=0.9``, ``mu2=0.99``, ``eps=1e-8``, ``beta_center=10``, ``beta_period=5`` are ours).
-Where the two disagree, the docstrings say which reading is taken and why.
-
-The third piece of the paper, batch normalization without moving averages, is
-``mnjax.SyncBatchNorm(comm, momentum=0.0)``; the run's config is
-``experiments/configs/imagenet_15min.py``.
+Sources and readings taken: docs/design/optim.md.
 """
 
 from __future__ import annotations
@@ -55,13 +43,7 @@ def akiba_blend(steps_per_epoch: int, *, center: float = 10.0,
                  = 0.5 + (e - c) / p            for c <= e < c + p / 2
                  = 1                            afterwards
 
-  The curve is ELU-shaped: an exponential rise that meets a straight line at ``c`` with the
-  same value (0.5) and the same slope (``1 / p``), which reaches 1 at ``c + p / 2`` and stays.
-  One secondary source prints the middle piece as ``0.5 + 2 (e - c) / p``; that would be
-  1.5 just before ``c + p / 2`` and jump back to 1, and its slope at ``c`` would be twice the
-  exponential's, so the continuous reading ``(e - c) / p`` is taken here (it is also what the
-  public reimplementation's GPU kernel computes). With the defaults SGD has 0.9% of the step at
-  epoch 0, half at epoch 10 and all of it from epoch 12.5 on.
+  The exponential meets the line at ``c`` with the same value and slope (continuous).
 
   Args:
     steps_per_epoch: optimizer steps per epoch (> 0).
@@ -94,10 +76,8 @@ def slow_start_schedule(global_batch_size: int, steps_per_epoch: int, *, base_lr
                         base_batch_size: int = 256) -> optax.Schedule:
   """Akiba et al.'s slow-start learning rate, a schedule of the step.
 
-  ``eta_base = base_lr x global_batch_size / base_batch_size`` (the linear scaling rule), times
-  0.5 in epochs [0, 40), 0.075 in [40, 70), 0.01 in [70, 85) and 0.001 from 85 on (the run
-  ends at 90); epochs are whole (``step // steps_per_epoch``). Compared with Goyal et al.'s
-  schedule it starts at half the rate and decays later and in more steps.
+  ``eta_base = base_lr x global_batch_size / base_batch_size``, times 0.5 in epochs [0, 40),
+  0.075 in [40, 70), 0.01 in [70, 85) and 0.001 from 85 on; epochs are whole.
 
   Args:
     global_batch_size: examples per step over all replicas.
@@ -164,10 +144,7 @@ def rmsprop_warmup(learning_rate: optax.ScalarOrSchedule, sgd_fraction: optax.Sc
     Delta_t = momentum * Delta_{t-1} - (alpha_sgd + alpha_rmsprop / (sqrt(m_t) + eps)) * g
     update  = eta * Delta_t
 
-  so the RMSprop part moves each coordinate by about ``(1 - alpha_sgd) * eta_rmsprop`` per
-  step (before momentum) — its own rate, not SGD's — and ``alpha_sgd = 1`` is exactly
-  ``optax.sgd(eta, momentum)``. The secondary sources this follows are named in
-  `mnjax.optim._akiba`'s module docstring.
+  ``alpha_sgd = 1`` is exactly ``optax.sgd(eta, momentum)``.
 
   Args:
     learning_rate: SGD's rate ``eta``, > 0: a number or a schedule (`slow_start_schedule`).

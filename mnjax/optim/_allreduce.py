@@ -1,31 +1,13 @@
 """Data parallelism as an optax gradient transformation.
 
-`allreduce_gradients(comm)` replaces each gradient by its mean over every replica. Put it
-first in an optax chain, and the rest of the chain (momentum, Adam moments, clipping, weight
-decay) sees the global gradient — so every rank applies the same update to the same
-parameters and the replicas stay bitwise identical:
-
-    tx = optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3))
-
-The transformation is stateless (`optax.EmptyState`) and is meant to be called inside the
-user's own `jax.jit` step; the MPI exchange is traced into that step (see
-`mnjax.comm.allreduce_tree`). Arguments are checked when the transformation is
-built, parameter dtypes at ``init``. When the step is traced, every rank checks its gradient
-tree and, across ranks, that all ranks trace the same gradient and parameter trees with the
-same options (`mnjax.guard.check_same_on_all_ranks`) — before any collective runs, with the
-same error on every rank.
-
-Gradient accumulation: do not wrap the chain in `optax.MultiSteps`, which runs its inner
-chain on every micro-step and masks the result, so the allreduce inside it exchanges
-gradients ``k`` times per update. `mnjax.accumulate_gradients` runs the chain only on the
-``k``-th micro-step, on the mean gradient: one exchange per update::
-
-    tx = mnjax.accumulate_gradients(
-        optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3)), every_k=k)
-
-Double buffering (ChainerMN's option) is a wrapper around the actual optimizer, not a link of
-a chain: ``mnjax.create_multi_node_optimizer(tx, comm, double_buffering=True)``. It builds its
-exchange from the same pieces (`gradient_exchange`: the checks, then the reduction).
+`allreduce_gradients(comm)` replaces each gradient by its mean over every replica; first in
+an optax chain, the rest of the chain sees the global gradient and the replicas stay bitwise
+identical. It is stateless and runs inside the user's jitted step (the exchange is traced
+into it: `mnjax.comm.allreduce_tree`). Arguments are checked when it is built, parameter
+dtypes at ``init``, and when the step is traced every rank compares its gradient and
+parameter trees and options with every other rank (`mnjax.guard.check_same_on_all_ranks`)
+before any collective runs. `gradient_exchange` (the checks, then the reduction) is shared
+with the double-buffering wrapper.
 """
 
 from __future__ import annotations
@@ -37,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mnjax.comm import _buckets as bucketing
-from mnjax.comm import _collectives as collectives
-from mnjax.comm import _sequence as sequence
-from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import check_communicator
+from mnjax.comm._instep import _allreduce as collectives
+from mnjax.comm._instep import _buckets as bucketing
+from mnjax.comm._instep import _sequence as sequence
+from mnjax.comm._instep import _wire as wire
 from mnjax.guard import _preflight as preflight
 
 __all__ = ["GradientExchange", "allreduce_gradients", "gradient_exchange"]
@@ -53,28 +35,22 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
                         ) -> optax.GradientTransformation:
   """Averages (or sums) gradients over all replicas: ChainerMN's multi-node optimizer as optax.
 
-  The gradient pytree is packed into contiguous buffers (buckets of at most `bucket_bytes`
-  per dtype) and reduced with one MPI allreduce each, not one call per leaf.
-  Half-precision leaves travel as float32 unless a half-precision `wire_dtype` is asked for.
+  The gradients are packed into buckets of at most `bucket_bytes` per dtype, one MPI allreduce
+  each. Half-precision leaves travel as float32 unless a 16-bit `wire_dtype` is asked for.
 
   Args:
     comm: the `Communicator` from `mnjax.create_communicator`.
     mean: average over replicas (default); ``False`` sums, e.g. when the loss is already
       normalised by the global batch size.
-    wire_dtype: None (full precision) or ``jnp.bfloat16`` / ``jnp.float16``: ChainerMN's
-      ``allreduce_grad_dtype``. Gradients cross processes in 16 bits (half the bytes) and
-      are summed in float32; the error bound is in `mnjax.comm._wire`. bfloat16 keeps float32's
-      range; float16 is 8x more precise but gives Inf where the mean gradient exceeds
-      65504 (never a silent finite value).
-    bucket_bytes: the largest fused buffer in wire bytes, like PyTorch DDP's
-      ``bucket_cap_mb`` and Horovod's fusion threshold; a larger leaf travels alone,
-      unpacked. ``"auto"`` (default): the cap chosen for the communicator's platform
-      (`mnjax.comm.default_bucket_bytes`: measured on CPU with ``python -m
-      lab.bench allreduce``, from the cost model on GPU); None fuses each dtype into one
-      buffer (fewest calls: ChainerMN's behaviour).
-    preflight_timeout: seconds a rank waits, when the step is first traced, for every
-      other rank to reach the same pre-flight check (`mnjax.guard._preflight`); then it raises
-      instead of hanging.
+    wire_dtype: None (full precision) or ``jnp.bfloat16`` / ``jnp.float16`` (ChainerMN's
+      ``allreduce_grad_dtype``): gradients travel in 16 bits and are summed in float32.
+      float16 gives Inf where the mean gradient exceeds 65504.
+    bucket_bytes: the largest fused buffer in wire bytes (a larger leaf travels alone);
+      ``"auto"`` (default): `mnjax.comm.default_bucket_bytes` for the platform; None: one
+      buffer per dtype (ChainerMN's behaviour).
+    preflight_timeout: seconds a rank waits, when the step is first traced, for every other
+      rank to reach the same pre-flight check; then it raises instead of hanging.
+
   Returns:
     An `optax.GradientTransformation` with `optax.EmptyState`.
 
@@ -155,13 +131,11 @@ def gradient_exchange(comm, caller: str, *, mean: bool = True, wire_dtype: Any =
               "wire_dtype": str(wire_dtype), "bucket_bytes": bucket_bytes, **(options or {})}
 
   def check_params(params):
-    # Parameters and their gradients share dtypes: refuse what cannot be reduced now,
-    # when the optimizer is built, rather than at the first step.
+    # Gradients have their parameters' dtypes: refuse now rather than at the first step.
     bucketing.check_float_leaves(params, caller, real=real)
 
   def check(updates, params=None, state=None, **more):
     bucketing.check_float_leaves(updates, caller, real=real)
-    # Runs in Python while the step is traced: once per compilation, not per step.
     signature = dict(compared, **{"gradient tree": preflight.tree_signature(updates)})
     if params is not None:
       signature["parameter tree"] = preflight.tree_signature(params)
@@ -182,8 +156,7 @@ def gradient_exchange(comm, caller: str, *, mean: bool = True, wire_dtype: Any =
 
 
 def _check_traced(updates: Any, state: Any, params: Any, comm, caller: str) -> None:
-  """Raises unless ``update`` runs while a step is traced: over several replicas its
-  exchange runs only inside a compiled step (checked on every rank before the exchange)."""
+  """Raises unless ``update`` runs while a step is traced (the exchange needs a compiled step)."""
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((updates, state, params))):
     return
   if isinstance(jnp.zeros(()), jax.core.Tracer):  # traced, with constants only

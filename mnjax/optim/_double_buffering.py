@@ -1,40 +1,11 @@
 """ChainerMN's double buffering: the actual optimizer runs on the previous step's gradient.
 
-A plain data-parallel step cannot start its gradient exchange before the backward pass has
-produced the gradients, so the exchange adds to the step time. ChainerMN's
-``create_multi_node_optimizer(actual_optimizer, comm, double_buffering=True)`` applies the
-*previous* step's reduced gradient instead and reduces this step's gradient while the next
-step computes; its actual optimizer first runs at the second step (its ``t`` is 0 after step
-1). `double_buffered_optimizer` is that wrapper for optax, reached through
-`mnjax.create_multi_node_optimizer`. Its state (`DoubleBufferingState`) holds:
-
-* ``exchange``: this rank's gradient of the previous step, unreduced (`PendingGradient`).
-  ``update`` reduces *that* and stores the new local gradient, so the exchange reads only an
-  input of the step: it depends on nothing the forward and backward pass compute, and XLA
-  may run it alongside them (tests/unit/test_overlap.py checks this in the compiled step);
-* ``started``: False until the first step has stored a gradient; the first step keeps the
-  actual optimizer's state and returns a zero update (a select, which XLA fuses into the
-  update, rather than a ``lax.cond``);
-* ``inner_state``: the actual optimizer's state, so a state saved without double buffering
-  restores into that field.
-
-Checkpoints: the pending gradient is this rank's (and, for the multi-device kinds, each local
-device's) own, while `mnjax.Checkpointer` saves rank 0's state and broadcasts it on restore.
-`mnjax.train.flush_pending` (collective, between steps) replaces it by its global sum, the
-same on every rank and device, marked as reduced (`Checkpointer.save` refuses a pending
-gradient that differs between replicas): the next step applies it instead of its exchange's
-result, so a run resumed from that checkpoint is bitwise the uninterrupted one.
-
-One step stale: a NaN or Inf in a rank's gradient reaches the update one step later, in the
-reduced sum every rank holds alike, so `mnjax.skip_nonfinite` inside the wrapper still skips
-on every rank together. Not with float16 loss scaling, whose scale may change between the
-step that scaled a gradient and the one that unscales it.
-
-Ordering with other in-step collectives: `mnjax.SyncBatchNorm`'s collectives run inside the
-forward and backward pass, and every rank must issue them and the exchange in one order. The
-exchange is an `mnjax.comm.allreduce_tree`, so it joins the step's order chain: with
-SyncBatchNorm it starts after the layer's last backward collective, without it it depends on
-nothing the step computes.
+`double_buffered_optimizer` (reached through ``mnjax.create_multi_node_optimizer(tx, comm,
+double_buffering=True)``) reduces the previous step's local gradient, held in the state
+(`PendingGradient`), while this step computes, and stores this step's gradient in its place.
+Step 0 returns a zero update and leaves the actual optimizer's state untouched. Before a
+checkpoint, `mnjax.train.flush_pending` replaces the pending gradient by its global sum, so a
+resumed run is bitwise the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -46,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mnjax.comm import _buckets as bucketing
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._instep import _buckets as bucketing
 from mnjax.guard import _preflight as preflight
 from mnjax.optim._allreduce import gradient_exchange
 
@@ -121,10 +92,9 @@ def check_pending(updates: Any, state: Any, caller: str) -> None:
 def double_buffered_update(updates: Any, state: PendingGradient, comm: Communicator,
                            reduce: Callable[[Any], Any], *, mean: bool = True
                            ) -> tuple[Any, PendingGradient]:
-  """``(reduce(state.pending), PendingGradient(updates))``: the double-buffered exchange,
-  once its checks have run. A flushed
-  pending sum (`mnjax.train.flush_pending`) is applied as it is (divided by the replicas for
-  `mean`).
+  """``(reduce(state.pending), PendingGradient(updates))``: the double-buffered exchange.
+
+  A flushed pending sum is applied as it is (divided by the replicas for `mean`).
 
   Example:
     >>> state = init_pending({"w": jnp.ones(2)})
@@ -163,11 +133,8 @@ def double_buffered_optimizer(tx: optax.GradientTransformation, comm: Communicat
                               **allreduce_options: Any) -> optax.GradientTransformationExtraArgs:
   """`tx` applied to the previous step's mean gradient, first at the second step.
 
-  Built by ``mnjax.create_multi_node_optimizer(tx, comm, double_buffering=True)``, which
-  checks `tx` and `comm` first. Step ``t >= 1`` runs `tx` on the global mean gradient of
-  step ``t - 1``, exchanged while step ``t`` computes; step 0 only stores its gradient,
-  leaves `tx`'s state untouched and returns a zero update. Before a checkpoint, call
-  `mnjax.train.flush_pending` on the state.
+  Step ``t >= 1`` runs `tx` on the mean gradient of step ``t - 1``; step 0 only stores its
+  gradient and returns a zero update. Before a checkpoint, call `mnjax.train.flush_pending`.
 
   Args:
     tx: the actual optimizer (extra ``update`` arguments are passed on to it).
@@ -190,8 +157,6 @@ def double_buffered_optimizer(tx: optax.GradientTransformation, comm: Communicat
   exchange = gradient_exchange(comm, _CALLER, options={"double_buffering": True},
                                **allreduce_options)
   if comm.kind == "xla" and comm.local_device_count > 1:
-    # `mnjax.data_parallel` hands the xla kind's replicated outputs back from the first local
-    # device: the other devices' pending gradients would be dropped every step.
     raise ValueError(
         f"{_CALLER}: double_buffering=True with the 'xla' kind needs one device per process,"
         f" but this process drives {comm.local_device_count}: between steps the xla kind"

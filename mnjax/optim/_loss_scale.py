@@ -1,27 +1,10 @@
 """Dynamic loss scaling for float16 training, with one skip decision for every rank.
 
-In float16 the backward pass flushes small gradients to zero. Multiplying the loss by a
-large scale ``S`` (and the gradients by ``1 / S`` afterwards) keeps them representable; too
-large an ``S`` overflows instead, the gradient holds an Inf or a NaN, the step is skipped and
-``S`` shrinks; after `growth_interval` finite steps in a row ``S`` grows again (Micikevicius
-et al. 2018, "Mixed Precision Training"; flax's ``DynamicScale``).
-
-With data parallelism every rank must make the same decision, or the replicas part ways:
-flax's ``DynamicScale(axis_name=...)`` averages the gradients over the devices before it
-checks them. Here `dynamic_loss_scale` sits *after* `allreduce_gradients` and wraps the
-optimizer, like `skip_nonfinite` (which it builds on): it checks the reduced gradient, which
-every rank holds identically and into which a NaN or Inf of any rank has propagated, so all
-ranks skip and lower the scale together, with no extra message::
-
-    tx = optax.chain(mnjax.allreduce_gradients(comm),
-                     mnjax.optim.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9)))
-    # inside the step:
-    scale = mnjax.optim.loss_scale_state(opt_state).scale
-    grads = jax.grad(lambda p: loss_fn(p, batch) * scale)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)   # unscaled, checked, applied
-
-Placed before the allreduce (wrapping it), the check would see each rank's own gradient and
-the ranks could disagree: keep it after, as shown.
+The loss is multiplied by a scale ``S`` (read with `loss_scale_state` in the step); the
+gradient is divided by it, and on overflow the step is skipped and ``S`` shrinks, after
+`growth_interval` finite steps it grows (flax's ``DynamicScale``). `dynamic_loss_scale` sits
+*after* `allreduce_gradients` and builds on `skip_nonfinite`: it checks the reduced gradient,
+the same on every rank, so all ranks skip and rescale together with no extra message.
 """
 
 from __future__ import annotations
@@ -55,8 +38,7 @@ class DynamicLossScaleState(NamedTuple):
 
   @property
   def finite(self) -> jax.Array:
-    """True when the last update was applied, False when it was skipped (equal on every
-    rank): select other state of the step with it, e.g. BatchNorm statistics."""
+    """True when the last update was applied (equal on every rank), e.g. to select BN stats."""
     return self.inner_state.consecutive == 0
 
 
@@ -73,8 +55,7 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, initial_scale: fl
       row (flax's default cadence: 2.0 every 2000 steps).
     backoff_factor: the scale is multiplied by it after a non-finite step.
     growth_interval: finite steps in a row before the scale grows.
-    min_scale: the scale never goes below it (1.0: below that, scaling no longer protects
-      small gradients; a run that keeps overflowing is one for `mnjax.optim.raise_if_diverging`).
+    min_scale: the scale never goes below it.
 
   Returns:
     An `optax.GradientTransformation` whose state is a `DynamicLossScaleState`. Its
@@ -132,8 +113,7 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, initial_scale: fl
 def loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
   """The `DynamicLossScaleState` inside `opt_state` (e.g. a chain's, a flax TrainState's).
 
-  Traceable: call it inside the step to read ``.scale`` before differentiating, and after
-  ``tx.update`` to read ``.finite``.
+  Traceable: read ``.scale`` before differentiating, ``.finite`` after ``tx.update``.
 
   Example:
     >>> tx, params = mnjax.optim.dynamic_loss_scale(optax.sgd(0.1)), {"w": jnp.ones(2)}

@@ -1,23 +1,10 @@
-"""Porting without touching the optimizer state: ChainerMN's `create_multi_node_optimizer`.
+"""ChainerMN's `create_multi_node_optimizer`: porting without touching the optimizer state.
 
-``optax.chain(mnjax.allreduce_gradients(comm), tx)`` is the composable form, but a chain's
-state is a tuple with one entry per link: ``(EmptyState(), tx_state)`` instead of
-``tx_state``. A checkpoint written by the original (single-process or ``pmap``) script holds
-``tx_state``'s tree, so restoring it into the chain's state either fails on the structure
-or, through a restore that forgives missing entries, comes back with the momentum zeroed
-and the schedule count at 0, without a word.
-
-ChainerMN wraps the actual optimizer instead: ``create_multi_node_optimizer(actual_optimizer,
-communicator)`` keeps the actual optimizer's state and only reduces the gradients first.
-`create_multi_node_optimizer` is that wrapper for optax: its ``init`` is ``tx.init`` (the
-state *is* `tx`'s, leaf for leaf), its ``update`` exchanges the gradients exactly as
-`allreduce_gradients` does (the same buckets, wire dtype and trace-time checks across
-ranks) and hands the mean to ``tx.update``. An old checkpoint therefore restores unchanged.
-
-With ``double_buffering=True`` it is ChainerMN's double buffering (the actual optimizer first
-runs at the second step, on the first step's gradient: `mnjax.optim._double_buffering`); its
-state then holds the pending gradient beside `tx`'s (``DoubleBufferingState.inner_state``), so
-an old state restores into that field.
+The wrapper's ``init`` is ``tx.init`` (the state is `tx`'s, leaf for leaf) and its ``update``
+exchanges the gradients exactly as `allreduce_gradients` does, then hands the mean to
+``tx.update``; a checkpoint of the original script restores unchanged. With
+``double_buffering=True`` it is `mnjax.optim._double_buffering`'s wrapper, whose
+``DoubleBufferingState.inner_state`` holds `tx`'s state.
 """
 
 from __future__ import annotations
@@ -41,22 +28,17 @@ def create_multi_node_optimizer(actual_optimizer: optax.GradientTransformation, 
   """Wraps `actual_optimizer` so that it sees the mean gradient over every replica, keeping
   its optimizer state unchanged (ChainerMN's ``create_multi_node_optimizer``).
 
-  Use it to port a script whose checkpoints hold `actual_optimizer`'s state: the wrapped
-  optimizer's ``init`` returns exactly ``actual_optimizer.init(params)``, so a state saved
-  by the original script (flax serialization, orbax, `mnjax.Checkpointer`) restores into it
-  with momentum, Adam moments and schedule counts intact. Otherwise it is
-  ``optax.chain(mnjax.allreduce_gradients(comm, **allreduce_options), actual_optimizer)``:
-  the same exchange, the same updates, bitwise.
+  ``init`` returns exactly ``actual_optimizer.init(params)``, so a state saved by the original
+  script restores into it; updates are bitwise those of
+  ``optax.chain(mnjax.allreduce_gradients(comm, **allreduce_options), actual_optimizer)``.
 
   Args:
     actual_optimizer: the optax transformation of the original script (a chain too); extra
       arguments of its ``update`` (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau``)
       are passed on.
     comm: the `Communicator`.
-    double_buffering: ChainerMN's double buffering: `actual_optimizer` runs on the previous
-      step's mean gradient, first at the second step, while this step's gradient is
-      exchanged beside the next step's compute; the state is a `DoubleBufferingState`
-      (`actual_optimizer`'s state is its ``inner_state``).
+    double_buffering: `actual_optimizer` runs on the previous step's mean gradient, first at
+      the second step; the state is a `DoubleBufferingState` (with ``inner_state``).
     **allreduce_options: any keyword of `allreduce_gradients` (``mean``, ``wire_dtype``,
       ``bucket_bytes``, ``preflight_timeout``), checked now.
 
@@ -99,7 +81,7 @@ def create_multi_node_optimizer(actual_optimizer: optax.GradientTransformation, 
   inner = optax.with_extra_args_support(actual_optimizer)
 
   def init_fn(params):
-    reducer.init(params)  # the same dtype checks as allreduce_gradients, now
+    reducer.init(params)  # allreduce_gradients' dtype checks
     return inner.init(params)
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -1,26 +1,10 @@
-"""Skip updates whose gradient holds a NaN or an Inf — on every rank together.
+"""Skip updates whose gradient holds a NaN or an Inf, on every rank together.
 
-One bad batch (a loss spike in mixed precision, a corrupt image) gives one rank a
-non-finite gradient. After `allreduce_gradients` every rank holds the *same* sum, and a NaN
-or Inf on any rank makes that sum non-finite too (IEEE: NaN + x = NaN, Inf + finite = Inf),
-so each rank can decide locally and all decide alike: no extra message is needed, and the
-replicas stay identical. Place `skip_nonfinite` *after* the allreduce, wrapping the
-optimizer whose state must not see the bad gradient::
-
-    tx = optax.chain(mnjax.allreduce_gradients(comm), mnjax.skip_nonfinite(optax.adam(1e-3)))
-
-With `mnjax.shard_optimizer` the exchange is inside the optimizer, and a gradient going in
-is still each rank's own: wrap the sharded optimizer and decide on the update it returns,
-which is all-gathered and so the same on every rank (a NaN anywhere reaches it)::
-
-    tx = mnjax.skip_nonfinite(mnjax.shard_optimizer(optax.adam(1e-3), comm), on="update")
-
-A skipped step leaves parameters and the wrapped optimizer's state untouched and counts the
-skip. Unlike ``optax.apply_if_finite``, which after too many errors applies the bad update
-anyway, `raise_if_diverging` stops a run that only skips (`FloatingPointError`, on every
-rank). It is a host-side check on purpose: raising from inside the step needs a host
-callback, which made the digits step synchronous (+2 ms on 8 ms, measured) and keeps JAX
-from caching the compiled step on disk.
+Placed after `allreduce_gradients`, `skip_nonfinite` checks the reduced gradient, which every
+rank holds alike, so all ranks skip together. Around `mnjax.shard_optimizer` it decides on the
+all-gathered update instead (``on="update"``). A skipped step leaves the parameters and the
+wrapped state untouched and is counted; `raise_if_diverging` (host side) stops a run that only
+skips.
 """
 
 from __future__ import annotations
@@ -67,11 +51,9 @@ def skip_nonfinite(inner: optax.GradientTransformation, *, on: str = "gradient"
 
   Args:
     inner: the transformation to protect (the optimizer after the allreduce).
-    on: what must be finite, the same on every rank: ``"gradient"``, the gradient `inner`
-      receives (after `allreduce_gradients`); or ``"update"``, the update `inner` returns
-      and the gradient (for an `inner` that exchanges itself, `mnjax.shard_optimizer`:
-      its update is all-gathered). ``"gradient"`` around a sharded optimizer would let
-      ranks decide differently, so it is refused at ``init``.
+    on: ``"gradient"``: the gradient `inner` receives must be finite (after
+      `allreduce_gradients`); ``"update"``: the update `inner` returns too (for
+      `mnjax.shard_optimizer`, where ``"gradient"`` is refused at ``init``).
 
   Returns:
     An `optax.GradientTransformation` whose state is a `SkipNonFiniteState`. Skipped steps
@@ -122,11 +104,9 @@ def skip_nonfinite(inner: optax.GradientTransformation, *, on: str = "gradient"
 
 def raise_if_diverging(opt_state: Any, max_consecutive_skips: int) -> None:
   """Raises `FloatingPointError` when a `skip_nonfinite` in `opt_state` has skipped more than
-  `max_consecutive_skips` steps in a row (host level; the counters are equal on every rank,
-  so every rank raises together).
+  `max_consecutive_skips` steps in a row (on every rank together).
 
-  Reading the counter waits for the step that produced `opt_state`: pass the *previous*
-  step's state, so that the check overlaps the step in flight instead of stalling it.
+  Pass the previous step's state, so that reading the counter does not stall the step in flight.
 
   Example:
     >>> tx = mnjax.skip_nonfinite(optax.sgd(0.1))

@@ -1,55 +1,13 @@
 """Optimizer-state sharding (ZeRO stage 1) as one optax transformation.
 
 `shard_optimizer(tx, comm)` is used *instead of* ``optax.chain(allreduce_gradients(comm), tx)``.
-Each rank keeps only its share of `tx`'s state; a step reduce-scatters the gradients (each
-rank receives the global mean of its share), runs `tx` on that share with its share of the
-state and of the parameters, and all-gathers the updates. Each rank sends and receives an
-allreduce's bytes (on a multi-rank node, MPI's reduce-scatter and allgather are not
-node-aware: a node's uplink carries 1.75x the allreduce's at 2 ranks per node,
-docs/design/cluster.md); each rank holds and updates 1/P of the optimizer state (DeepSpeed ZeRO-1,
-PyTorch's ``ZeroRedundancyOptimizer``).
-
-**Per leaf, not one flat buffer.** Every leaf of ``n`` elements is split into ``P`` shares
-of ``ceil(n / P)`` elements (`mnjax.comm._scatter`); rank ``r`` owns share ``r`` of *every*
-leaf, and `tx` sees a tree with the parameters' structure whose leaves are 1-D shares. Why:
-
-* the tree stays the tree: masks (``optax.adamw(mask=...)`` as a pytree of bools),
-  ``optax.masked``, ``optax.multi_transform`` labels and anything that selects leaves by path
-  work unchanged on shares, which a flat buffer (one anonymous vector) would break;
-* the state is an ordinary pytree: `gather_optimizer_state` rebuilds, leaf by leaf, exactly
-  the state ``tx.init(params)`` would hold — rank-count independent — and
-  `scatter_optimizer_state` cuts it again for any number of ranks;
-* the cost of a flat buffer's better balance is small: at most ``P - 1`` padding elements
-  per leaf. The *wire* is still fused: shares of many leaves travel in one buffer per
-  bucket (``bucket_bytes``), so the number of MPI calls is that of `allreduce_gradients`.
-
-Replicas stay bitwise identical by construction: one rank computes each share (its rows
-summed in rank order) and the all-gather copies bits. Against the unsharded chain the result
-agrees to float32 rounding, not bitwise: the sum may be associated differently (3 or more
-ranks), and XLA:CPU compiles the same elementwise formulas to other code for a 1-D share
-than for the leaf's shape (adam in one process differs in the last bit from its second
-step). After 10 steps on 1-3 ranks (sgd with momentum, adam, adamw) the parameters agree to
-1e-6 relative + 1e-7 absolute (tests/distributed/test_shard.py).
-
-**Transformations that need the whole tree.** Elementwise ones (sgd, momentum, adam,
-adamw, rmsprop, lion, weight decay with a mask pytree) are exact on shares. Those that
-reduce over leaves or the tree (global-norm clipping, LARS/LAMB trust ratios, Adafactor's
-factored moments, finiteness checks, noise) are not. Global-norm clipping is provided,
-exact: ``clip_global_norm=`` (one allgather of ``P`` partial sums of squares). The others
-are refused before any exchange, the same on every rank (`mnjax.optim._shard_checks`, with
-its limits): by name at construction (`NEEDS_WHOLE_TREE`), and by a probe at ``init`` that
-runs `tx` on a miniature of the tree whole and as shares (``check_elementwise=True``).
-
-Communicator kinds: ``flat`` (one process per device). The multi-device kinds are refused
-at construction: their local devices share one process's state, so sharding across ranks
-only would need the state split per device inside `mnjax.data_parallel` as well.
-
-Checkpoints: `mnjax.Checkpointer` saves a tree holding this state whole: every rank sends
-its shares to rank 0, which writes what `gather_optimizer_state` returns (independent of the
-number of ranks); restored into a template holding a fresh ``init`` of this transformation,
-each rank gets its share back, cut for the restoring job's size (`mnjax.checkpoint._sharded`).
-`gather_optimizer_state` / `scatter_optimizer_state` do the same by hand. The state records
-its `layout` (the whole shape of every share leaf) for that.
+Every leaf is split into ``P`` 1-D shares of ``ceil(n / P)`` elements and rank ``r`` keeps
+share ``r`` of `tx`'s state. A step reduce-scatters the gradients (fused in buckets), runs
+`tx` on this rank's shares, and all-gathers the updates, so the replicas stay bitwise
+identical. Only elementwise `tx` is exact on shares: whole-tree transformations are refused
+(`mnjax.optim._shard_checks`); ``clip_global_norm=`` is the exact global-norm clip. Only the
+``flat`` kind is supported. `mnjax.Checkpointer` saves the state whole
+(`gather_optimizer_state`) and cuts it again on restore for any number of ranks.
 """
 
 from __future__ import annotations
@@ -61,18 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mnjax.comm import _buckets as bucketing
-from mnjax.comm import _primitives as mpi_ops
-from mnjax.comm import _scatter as scatter
-from mnjax.comm import _sequence as sequence
-from mnjax.comm import _wire as wire
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._instep import _buckets as bucketing
+from mnjax.comm._instep import _primitives as mpi_ops
+from mnjax.comm._instep import _scatter as scatter
+from mnjax.comm._instep import _sequence as sequence
+from mnjax.comm._instep import _wire as wire
 from mnjax.guard import _preflight as preflight
 from mnjax.guard import _program as program
 from mnjax.optim._shard_checks import (
-    NEEDS_WHOLE_TREE,
-    check_elementwise_on_shares,
-    whole_tree_transformations,
+  NEEDS_WHOLE_TREE,
+  check_elementwise_on_shares,
+  whole_tree_transformations,
 )
 from mnjax.optim._shard_state import ShardedState, check_state, sharded_state
 
@@ -87,19 +45,17 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
   """ZeRO-1: `tx` with its state sharded over the ranks; replaces ``chain(allreduce, tx)``.
 
   Args:
-    tx: the optimizer to shard; elementwise (module docstring). Known whole-tree
-      transformations are refused here, by name, with the alternative.
+    tx: the optimizer to shard, elementwise; known whole-tree transformations are refused.
     comm: a ``flat`` `Communicator` (one process per device).
     wire_dtype: None or ``jnp.bfloat16`` / ``jnp.float16``: the gradients' reduce-scatter in
       16 bits with float32 sums (one rounding, within `mnjax.comm.error_bound`). The
       updates are all-gathered in their own dtype.
     bucket_bytes: the largest fused buffer per exchange, as in `allreduce_gradients`
       (``"auto"``: the platform's default; None: one buffer per dtype).
-    clip_global_norm: clip the mean gradient to this global norm before `tx`, like
-      ``optax.clip_by_global_norm`` first in `tx` (which is refused): the norm is summed
-      from every rank's shares (one allgather of P scalars), the same on every rank.
-    check_elementwise: run the probe at ``init`` (`mnjax.optim._shard_checks`) that refuses
-      `tx` if it gives another result on shares than on the whole tree.
+    clip_global_norm: clip the mean gradient to this global norm before `tx` (as
+      ``optax.clip_by_global_norm``, which is refused in `tx`), the same on every rank.
+    check_elementwise: run the probe at ``init`` that refuses `tx` if it gives another
+      result on shares than on the whole tree.
     preflight_timeout: as in `allreduce_gradients`.
 
   Returns:
@@ -189,9 +145,7 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
     if clip_global_norm is not None:
       grads, last = _clip(grads, clip_global_norm, comm, last)
     shares = None if params is None else _shares(params, index, parts)
-    # Each rank updates its own shares: another learning rate (any hyperparameter) on one
-    # rank moves its shares at that rate on every rank alike, invisible to check_replicas.
-    # So the ranks compare tx's update program (traced here, also in a plain jax.jit step).
+    # Another hyperparameter on one rank would be invisible to check_replicas: compare programs.
     program.check_same_program(
         comm, jax.make_jaxpr(tx.update)(grads, state.inner, shares), caller=caller,
         what="the update of the optimizer it shards (tx)")
@@ -204,9 +158,7 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
 
 
 def _shares(tree: Any, index: int, parts: int) -> Any:
-  """Share `index` of `parts` of every leaf (local: parameters are the same on every rank).
-
-  The slice differs per rank by design: the program check compares its shapes only."""
+  """Share `index` of `parts` of every leaf (rank-dependent by design: shapes are compared)."""
   with program.rank_dependent():
     return jax.tree.map(lambda x: scatter.shard_leaf(x, index, parts), tree)
 

@@ -1,31 +1,11 @@
 """Refusing inner transformations that need the whole tree, for `mnjax.shard_optimizer`.
 
-Each rank runs the inner transformation on 1-D shares of every leaf (`mnjax.optim._shard`), so
-anything that reduces over a leaf or the tree would silently compute something else. Two
-checks, both local and deterministic (every rank decides alike), both before any exchange:
-
-1. *by name*, at construction (`whole_tree_transformations`): the closures of ``tx.update``
-   are walked (through ``optax.chain``, ``masked``, ``inject_hyperparams``...) and the
-   functions of known whole-tree transformations (`NEEDS_WHOLE_TREE`) are named with the
-   alternative;
-2. *by a probe*, at ``init`` (`check_elementwise_on_shares`): `tx` runs two steps on a
-   miniature of the parameter tree (every dimension cut to at most 3, parameters near 100),
-   once whole and once as two shares, and the updates must agree (to 1e-5); two rounds,
-   with gradients of magnitude 1e3 then 1e-2, and 1e15 then 1e14 (float16 leaves: 0.26
-   then 0.026). This catches what no name list knows: a user's own norm-based
-   transformation (a global-norm clip at any threshold the second round's norms cross, in
-   both steps or in the first: where a clip acts, whole and shares scale differently, also
-   under a scale-free follower like Adam), a mask or label *function* that reads shapes
-   (shares are 1-D: pass the mask as a pytree of bools computed from the full parameters).
-
-Limits, honestly: the name walk sees only functions reachable through closures (not a
-transformation written as a class, nor work done in a module-level helper); the probe tests
-one miniature for two steps, not the real shapes, values and run. Not detected: a threshold
-above the probe's norms (a clip at a global norm above ~1e15 x sqrt(27 x leaf count); for
-float16 leaves above ~0.26 x that square root), behaviour that depends on dimensions above
-3, on the step count beyond two (a clip or statistic that starts later), on values the probe
-never draws (exact zeros, NaN), or on randomness. Both checks can only err towards
-accepting; `clip_global_norm=` is the exact clip on shares.
+Each rank runs the inner transformation on 1-D shares of every leaf, so anything that reduces
+over a leaf or the tree would silently compute something else. Two local, deterministic checks
+run before any exchange: by name at construction (`whole_tree_transformations`, against
+`NEEDS_WHOLE_TREE`), and by a probe at ``init`` (`check_elementwise_on_shares`) that compares
+`tx` on a miniature of the tree whole and as shares. Both can only err towards accepting;
+their limits are in docs/design/optim.md.
 """
 
 from __future__ import annotations
@@ -38,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mnjax.comm import _buckets as bucketing
-from mnjax.comm import _scatter as scatter
+from mnjax.comm._instep import _buckets as bucketing
+from mnjax.comm._instep import _scatter as scatter
 from mnjax.guard import _preflight as preflight
 
 __all__ = ["NEEDS_WHOLE_TREE", "check_elementwise_on_shares", "whole_tree_transformations"]
@@ -49,8 +29,7 @@ _WRAP = ("wrap the sharded optimizer instead, deciding on the whole (all-gathere
          " skip_nonfinite(shard_optimizer(tx, comm), on='update')")
 _UNSHARDED = "use optax.chain(mnjax.allreduce_gradients(comm), tx) (unsharded state)"
 
-#: Known optax/mnjax transformations that need the whole tree or whole leaves, by the name
-#: of the function that builds them, with the alternative (module docstring).
+#: Known transformations that need the whole tree or whole leaves, with the alternative.
 NEEDS_WHOLE_TREE: dict[str, str] = {
     "clip_by_global_norm": f"global-norm clipping: {_CLIP}",
     "scale_by_trust_ratio": f"a LARS/LAMB trust ratio (per-leaf norms): {_UNSHARDED}",
@@ -84,10 +63,8 @@ NEEDS_WHOLE_TREE: dict[str, str] = {
 def whole_tree_transformations(tx: Any) -> list[str]:
   """Names from `NEEDS_WHOLE_TREE` found among the functions `tx` is built from.
 
-  Walks ``tx.update``'s closure cells (functions, ``functools.partial``, tuples, lists,
-  dicts, `GradientTransformation`s) and reads each function's ``__qualname__``: optax builds
-  ``clip_by_global_norm.<locals>.update_fn``. A transformation written as a class or with
-  the work in a module-level function is not seen (the probe is the backstop).
+  Walks ``tx.update``'s closure cells and reads each function's ``__qualname__`` (optax builds
+  ``clip_by_global_norm.<locals>.update_fn``); classes are not seen.
 
   Example:
     >>> whole_tree_transformations(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1)))
@@ -130,10 +107,8 @@ def check_elementwise_on_shares(tx: Any, params: Any, *, caller: str = "shard_op
                                 rtol: float = 1e-5) -> None:
   """Raises `ValueError` unless `tx` gives the same updates on shares as on whole leaves.
 
-  The probe of the module docstring: a miniature of `params` (same tree, ranks and dtypes,
-  every dimension cut to at most 3), two rounds of two steps (gradients of magnitude 1e3
-  then 1e-2, 1e15 then 1e14), whole and as two shares (zero-padded). Local, deterministic:
-  every rank decides alike.
+  Runs two rounds of two steps on a miniature of `params` (every dimension cut to at most 3),
+  whole and as two shares; local and deterministic.
 
   Example:
     >>> check_elementwise_on_shares(optax.adam(1e-3), {"w": jnp.ones((4, 4))})
@@ -155,9 +130,7 @@ def check_elementwise_on_shares(tx: Any, params: Any, *, caller: str = "shard_op
     return jax.tree.unflatten(treedef, [one(x) for x in leaves])
 
   mini = draw(1.0, low=100.0)
-  # (first gradient, second gradient) per round: small and large values, then values that
-  # cross any threshold below ~1e15 x sqrt(leaves x 27) (a clip's) in both steps
-  # (`_large`: what the leaf's dtype holds with room for sums of squares).
+  # (first, second) gradient per round; the second round crosses a clip's threshold.
   rounds = [(draw(1e3), draw(1e-2)), (draw(_large, ratio=1.0), draw(_large, ratio=0.1))]
 
   def two_steps(p, a, b):
@@ -182,8 +155,7 @@ def check_elementwise_on_shares(tx: Any, params: Any, *, caller: str = "shard_op
 
 
 def _large(dtype: np.dtype, ratio: float) -> float:
-  """`ratio` x the largest gradient magnitude the probe draws for `dtype`: 1e15, or less
-  where the square of a sum of such values would overflow (float16: ~0.26)."""
+  """`ratio` x the probe's largest gradient for `dtype` (1e15, less where squares overflow)."""
   return ratio * min(1e15, float(np.sqrt(np.finfo(dtype).max)) * 1e-3)
 
 

@@ -1,15 +1,9 @@
 """`shard_optimizer`'s state, and its rank-count-independent form for checkpoints.
 
-`ShardedState` holds the inner transformation's state on this rank's shares. For a
-checkpoint, `gather_optimizer_state` joins every rank's shares into the whole state
-``tx.init(params)`` would hold unsharded (the same on every rank, independent of the number
-of ranks); `scatter_optimizer_state` cuts such a state for the ranks of a job, of any size.
-`join_shares` and `cut_shares` are their local cores (no communication).
-
-`mnjax.Checkpointer` does this by itself for a tree holding a `ShardedState`: the state
-records its `layout` (the whole shape of each share leaf), so `gather_to_root` joins it on
-rank 0 for the write and `cut_like` cuts the restored whole state for the restoring rank,
-with neither tx nor the parameters at hand.
+`gather_optimizer_state` joins every rank's shares into the whole state ``tx.init(params)``
+would hold unsharded; `scatter_optimizer_state` cuts it for a job of any size (`join_shares`
+and `cut_shares` are their local cores). `mnjax.Checkpointer` uses the state's `layout`
+instead (`gather_to_root`, `cut_like`), with neither tx nor the parameters at hand.
 """
 
 from __future__ import annotations
@@ -20,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mnjax.comm import _scatter as scatter
 from mnjax.comm._communicator import check_communicator
-from mnjax.comm._host import check_same_tree
+from mnjax.comm._host._agreement import check_same_tree
+from mnjax.comm._instep import _scatter as scatter
 from mnjax.guard import _preflight as preflight
 
 __all__ = ["ShardedState", "check_state", "cut_like", "cut_shares", "gather_optimizer_state",
@@ -32,16 +26,12 @@ __all__ = ["ShardedState", "check_state", "cut_like", "cut_shares", "gather_opti
 
 @jax.tree_util.register_pytree_with_keys_class
 class ShardedState:
-  """`shard_optimizer`'s state: `inner`, the inner transformation's state on this rank's
-  shares, for share `index` of `parts`.
+  """`shard_optimizer`'s state: `inner` on this rank's shares, share `index` of `parts`.
 
-  A pytree whose one child is `inner`, under the key ``.shard_<index>_of_<parts>``: leaf
-  paths say which share a rank holds, so replicated-state tools (`mnjax.check_replicas`)
-  see that ranks hold different trees rather than mixing them. `layout` (static, part of
-  the tree structure) gives, per leaf of `inner`, the whole leaf's shape when the leaf is a
-  share, or None for a leaf the same on every rank (a step count): with it the state can be
-  joined (`gather_to_root`) and cut again (`cut_like`) without the transformation, which is
-  how `mnjax.Checkpointer` saves it whole and restores it on any number of ranks.
+  A pytree whose one child is `inner`, under the key ``.shard_<index>_of_<parts>`` (so
+  `mnjax.check_replicas` sees that ranks hold different trees). `layout` (static) gives, per
+  leaf of `inner`, the whole leaf's shape for a share, or None for a leaf the same on every
+  rank (a step count).
 
   Example:
     >>> state = mnjax.shard_optimizer(optax.adam(1e-3), comm).init({"w": jnp.ones(3)})
@@ -75,8 +65,7 @@ class ShardedState:
 
 def sharded_state(tx: Any, params: Any, inner: Any, index: int, parts: int, *,
                   caller: str = "shard_optimizer") -> ShardedState:
-  """`ShardedState` of `inner` (``tx.init`` of this rank's shares of `params`) with its
-  `layout` (traced abstractly, no computation).
+  """`ShardedState` of `inner` (``tx.init`` of this rank's shares) with its `layout`.
 
   Example:
     >>> tx, params = optax.sgd(0.1, momentum=0.9), {"w": jnp.ones((2, 3))}
@@ -102,11 +91,9 @@ def check_state(state: Any, index: int, parts: int, caller: str) -> None:
 
 
 def gather_optimizer_state(comm, tx: Any, state: ShardedState, params: Any) -> Any:
-  """The whole state of `tx` from every rank's shares: what ``tx.init(params)`` holds after
-  the same steps unsharded (numpy leaves), the same on every rank. Collective, host-level.
+  """The whole state of `tx` from every rank's shares (numpy leaves), the same on every rank.
 
-  Save this in a checkpoint (it does not depend on the number of ranks) and cut it again
-  with `scatter_optimizer_state`. Each rank briefly holds the whole state.
+  Collective, host-level; independent of the number of ranks. Each rank briefly holds it all.
 
   Args:
     comm: the `Communicator` the state was sharded over.
@@ -146,9 +133,9 @@ def gather_optimizer_state(comm, tx: Any, state: ShardedState, params: Any) -> A
 
 def join_shares(tx: Any, inners: list[Any], params: Any, *,
                 caller: str = "join_shares") -> Any:
-  """The whole state of `tx` from the inner states of all shares, in share order (local:
-  the core of `gather_optimizer_state`). A leaf that is not a share (a step count) is taken
-  from share 0.
+  """The whole state of `tx` from the inner states of all shares, in share order (local).
+
+  A leaf that is not a share (a step count) is taken from share 0.
 
   Example:
     >>> tx, params = optax.adam(1e-3), {"w": jnp.arange(5.0)}
@@ -162,8 +149,7 @@ def join_shares(tx: Any, inners: list[Any], params: Any, *,
 
 
 def _join(layout: tuple, inners: list[Any]) -> Any:
-  """The whole inner state from every share's (numpy leaves), leaf by leaf as `layout`
-  says: a share leaf unsharded, any other leaf taken from share 0."""
+  """The whole inner state from every share's, leaf by leaf as `layout` says."""
   flat = [jax.tree.flatten(inner)[0] for inner in inners]
   out = [np.asarray(flat[0][i]) if shape is None else
          scatter.unshard_leaf(np.stack([np.asarray(f[i]) for f in flat]), shape)
@@ -172,12 +158,10 @@ def _join(layout: tuple, inners: list[Any]) -> Any:
 
 
 def gather_to_root(comm, state: ShardedState, *, root: int = 0) -> Any:
-  """The whole inner state (numpy leaves, as `gather_optimizer_state` returns it) on rank
-  `root`, None on the others: one MPI gather per share leaf, so only `root` ever holds the
-  whole state. Collective, host-level; no tx or parameters needed (``state.layout``).
+  """The whole inner state (numpy leaves) on rank `root`, None on the others.
 
-  The caller has checked that every rank passes its own share (``index == comm.rank``,
-  ``parts == comm.size``), with a layout and the same leaves (`mnjax.Checkpointer` does).
+  Collective, host-level: one MPI gather per share leaf, using ``state.layout``. The caller
+  has checked that every rank passes its own share, with a layout and the same leaves.
 
   Example:
     >>> state = mnjax.shard_optimizer(optax.adam(1e-3), comm).init({"w": jnp.ones((3, 2))})
@@ -202,8 +186,7 @@ def gather_to_root(comm, state: ShardedState, *, root: int = 0) -> Any:
 
 
 def whole_like(state: ShardedState) -> Any:
-  """Placeholders of the whole inner state (numpy, read-only and allocating nothing): each
-  share leaf at its whole shape, every other leaf as it is; the dtypes of `state`'s.
+  """Read-only placeholders (allocating nothing) of the whole inner state of `state`.
 
   Example:
     >>> state = mnjax.shard_optimizer(optax.adam(1e-3), comm).init({"w": jnp.ones((3, 2))})
@@ -217,9 +200,7 @@ def whole_like(state: ShardedState) -> Any:
 
 
 def cut_like(state: ShardedState, whole: Any) -> ShardedState:
-  """`state`'s share of `whole` (a whole inner state like `whole_like(state)`): a
-  `ShardedState` of the same share and layout, numpy leaves (local, no communication; the
-  cut `scatter_optimizer_state` makes).
+  """`state`'s share of `whole` (like `whole_like(state)`), as a `ShardedState` (local).
 
   Example:
     >>> tx, params = optax.adam(1e-3), {"w": jnp.arange(5.0)}
@@ -235,7 +216,7 @@ def cut_like(state: ShardedState, whole: Any) -> ShardedState:
 
 
 def _share(x: np.ndarray, index: int, parts: int) -> np.ndarray:
-  """`mnjax.comm._scatter.shard_leaf` on the host: share `index` of `parts`, zero-padded."""
+  """`mnjax.comm._instep._scatter.shard_leaf` on the host: share `index` of `parts`, zero-padded."""
   flat = x.reshape(-1)
   c = scatter.share_size(flat.size, parts)
   out = np.zeros(c, x.dtype)
@@ -245,8 +226,7 @@ def _share(x: np.ndarray, index: int, parts: int) -> np.ndarray:
 
 
 def scatter_optimizer_state(comm, tx: Any, full_state: Any, params: Any) -> ShardedState:
-  """This rank's `ShardedState` cut from a whole state of `tx` (`gather_optimizer_state`'s,
-  restored from a checkpoint saved on any number of ranks). Local: no communication.
+  """This rank's `ShardedState` cut from a whole state of `tx` (local, no communication).
 
   Example:
     >>> tx = optax.adam(1e-3)
@@ -263,8 +243,7 @@ def scatter_optimizer_state(comm, tx: Any, full_state: Any, params: Any) -> Shar
 
 def cut_shares(tx: Any, full_state: Any, params: Any, index: int, parts: int, *,
                caller: str = "cut_shares") -> Any:
-  """Share `index` of `parts` of a whole state of `tx` (the inner state of that share;
-  local: the core of `scatter_optimizer_state`).
+  """Share `index` of `parts` of a whole state of `tx` (local).
 
   Example:
     >>> tx, params = optax.adam(1e-3), {"w": jnp.arange(5.0)}
@@ -289,10 +268,8 @@ def cut_shares(tx: Any, full_state: Any, params: Any, index: int, parts: int, *,
 
 
 def _layout(tx: Any, params: Any, parts: int, caller: str, inner: Any) -> list[Any]:
-  """Per leaf of the sharded state: the whole leaf's shape if it is a share, else None
-  (a leaf the same on every rank, like a step count). A share is a leaf whose shape follows
-  the shares' size: ``tx.init`` is traced on shares one element longer to see which do
-  (a leaf of one element has a share of its own shape)."""
+  """Per state leaf: the whole shape if it is a share, else None (traces ``tx.init`` on
+  shares one element longer to see which leaves follow the share size)."""
   leaves, treedef = jax.tree.flatten(params)
 
   def abstract(extra: int) -> Any:

@@ -1,22 +1,14 @@
 """Large-minibatch training recipes as ordinary optax objects.
 
-* `linear_scaling` and `goyal_schedule`: Goyal et al. 2017 ("Accurate, Large Minibatch
-  SGD"): learning rate ``0.1 x global_batch / 256``, reached by a linear warmup from 0.1 over
-  the first 5 epochs, then divided by 10 at epochs 30, 60 and 80.
-* `goyal_sgd`: momentum SGD (0.9) on that schedule with weight decay 1e-4 applied to
-  convolution and dense kernels only (`decay_mask`: no decay on batch-norm scales/offsets
-  and biases, as in Goyal et al. and the "bag of tricks" of He et al. 2019).
-* `lars`: optax's LARS (You et al. 2017) with the same mask for decay and trust ratio.
-* `smoothed_cross_entropy`: label smoothing (Szegedy et al. 2016).
-* `rmsprop_warmup`, `akiba_blend`, `slow_start_schedule`: the 15-minute ImageNet recipe of
-  Akiba et al. 2017 (32k global batch): momentum SGD whose step starts as RMSprop's, with its
-  own learning rate, and blends into SGD's on an ELU-shaped curve of the epoch, on a
-  slow-start learning rate (in `mnjax.optim._akiba`, with the sources it follows).
+* `linear_scaling`, `goyal_schedule`, `goyal_sgd`: Goyal et al. ("Accurate, Large Minibatch
+  SGD"): linear scaling, 5-epoch warmup, step decay; momentum SGD with weight decay on kernels
+  only (`decay_mask`).
+* `lars`: optax's LARS with the same mask; `smoothed_cross_entropy`: label smoothing.
+* `rmsprop_warmup`, `akiba_blend`, `slow_start_schedule`: Akiba et al.'s 15-minute ImageNet
+  recipe (RMSprop blending into momentum SGD, slow-start learning rate).
 
-Everything here is a plain function returning optax schedules, transformations or losses;
-compose them with ``mnjax.allreduce_gradients`` as usual:
-
-    tx = optax.chain(mnjax.allreduce_gradients(comm), mnjax.optim.recipes.goyal_sgd(8192, 156))
+Plain functions returning optax schedules, transformations or losses; compose them with
+``mnjax.allreduce_gradients`` as usual.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """`multi_node_early_stopping`: stop when a metric averaged over the ranks stops improving.
 
-Early stopping compares a monitored value (validation loss, accuracy) at each check with
-the best so far and stops after ``patience`` checks without improvement. Each rank sees only
-its own examples, so per-rank decisions would stop the ranks at different steps, and the
-first rank to leave would leave the others waiting in a collective. ChainerMN's
-``MultiNodeEarlyStoppingTrigger`` therefore compares the mean of the values *every* rank
-observed since the last check (``ObservationAggregator``: all observations of all ranks,
-each counted once). Here the same, as optax-like pure state and functions:
+As ChainerMN's ``MultiNodeEarlyStoppingTrigger``, every rank decides on the mean of the values
+*every* rank observed since the last check, so all ranks stop at the same check:
 
-* ``observe(state, value)`` — local, per step: adds a value to this rank's running sum;
-* ``check(state)`` — collective, at each check interval (e.g. each epoch's end): the exact
-  global mean (`mnjax.allreduce_metrics` of the sums and counts), taken as rank 0 computed
-  it (`mnjax.broadcast`, so every rank compares bitwise the same number), then ChainerMN's
-  rule: an improvement resets the count, anything else (also NaN) adds one, and
-  ``state.stop`` turns True once the count reaches ``patience`` — on every rank at the same
-  check. A check with no observation on any rank changes nothing (ChainerMN warns too).
+* ``observe(state, value)``: local, adds a value to this rank's running sum;
+* ``check(state)``: collective; the exact global mean (rank 0's, broadcast), then an
+  improvement resets the count, anything else (also NaN) adds one, and ``state.stop`` turns
+  True once it reaches ``patience``. A check with no observation changes nothing.
 
-The state is a NamedTuple of numbers: checkpoint it with the rest of the loop's state.
+The state is a NamedTuple of numbers: checkpoint it with the loop's state.
 """
 
 from __future__ import annotations
@@ -29,7 +21,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._host import broadcast, check_same_tree
+from mnjax.comm._host._agreement import check_same_tree
+from mnjax.comm._host._broadcast import broadcast
 from mnjax.train._metrics import allreduce_metrics
 
 __all__ = ["EarlyStopping", "EarlyStoppingState", "multi_node_early_stopping"]

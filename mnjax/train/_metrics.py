@@ -1,17 +1,9 @@
 """Exact global metrics, from per-rank sums and counts or from per-rank means.
 
-Averaging per-rank averages without weights is wrong as soon as ranks hold different
-numbers of real examples (the last shard is shorter, padded duplicates from
-``force_equal_length``, the last partial batch). Two exact ways, both host-level (outside
-`jax.jit`) and collective, built on `mnjax.comm._host`:
-
-* **Sums and counts.** Each rank reports additive quantities (sum of losses, number
-  correct, number of real examples — padding weighted 0), `allreduce_metrics` adds them
-  exactly (integers as int64, floats as float64), and only then are ratios formed
-  (`global_mean`).
-* **Means**, as a flax step that ends in ``jax.lax.pmean(metrics, "batch")`` reports them:
-  `mean_metrics` averages each rank's means weighted by its number of examples, and hands
-  back unchanged what every rank reports alike (a learning rate, a step count).
+Averaging per-rank averages is wrong once ranks hold different numbers of real examples.
+Both ways here are host-level and collective: `allreduce_metrics` adds per-rank sums and
+counts exactly (int64, float64) before `global_mean` forms ratios; `mean_metrics` averages
+per-rank means weighted by their example counts.
 """
 
 from __future__ import annotations
@@ -24,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from mnjax.comm import _host as host
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._digest import leaf_digest
+from mnjax.comm._host import _broadcast as host
+from mnjax.comm._host._digest import leaf_digest
 
 __all__ = ["allreduce_metrics", "global_mean", "mean_metrics"]
 

@@ -1,18 +1,10 @@
 """`generic_multi_node_evaluator`: metrics that do not add up, over every rank's shard.
 
-`lab.runner.evaluate` reduces additive sums (loss sum, correct, count) with
-`mnjax.allreduce_metrics`: exact, and the way to evaluate accuracy and mean loss. Some
-metrics are not sums — a median, an AUC, a BLEU score over a test set cut into uneven shards
-(``scatter_dataset(..., force_equal_length=False)``: no duplicates). ChainerMN's
-``GenericMultiNodeEvaluator`` lets each rank compute a result per batch of its own shard
-(``calc_local``) and one function see them all (``aggregate``, on the root). Here the same
-as a function: each rank evaluates its batches (any number, different per rank), then one
-gather brings every result to the root (or every rank, ``root=None``) in ChainerMN's order
-— round by round, rank by rank within a round — where ``aggregate`` runs.
-
-Bad input on one rank never hangs the others: every rank reports whether its ``calc_local``
-raised in one small allgather before the results move, and then every rank raises the same
-error naming the ranks.
+For metrics that are not sums (a median, an AUC, BLEU), as ChainerMN's
+``GenericMultiNodeEvaluator``: each rank runs ``calc_local`` on its own batches (any number),
+one gather brings every result to the root (or every rank, ``root=None``) in ChainerMN's order
+(round by round, rank by rank), and ``aggregate`` runs there. A ``calc_local`` that raised on
+any rank is the same error on every rank, before the results move.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ import numpy as np
 from mpi4py.util import pkl5
 
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._host import check_same_tree
+from mnjax.comm._host._agreement import check_same_tree
 
 __all__ = ["generic_multi_node_evaluator"]
 

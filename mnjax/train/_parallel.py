@@ -5,19 +5,9 @@ With ``flat`` a process drives one device and the user's step is simply jitted. 
 local devices: `data_parallel` maps the step over them with `jax.shard_map` (axis
 ``comm.axis_name``; for ``xla`` the mesh spans every device of every process), splitting the
 batch arguments along their leading axis and replicating everything else (parameters,
-optimizer state). Inside, `allreduce_gradients` sums over the local axis and across
-processes. User code that reduces over the same axis itself (a ``jax.lax.pmean`` or flax
-``BatchNorm(axis_name=comm.axis_name)`` left from a pmap script) would reduce over this
-process's devices only (every device of the job under ``xla``), so it is refused there
-unless traced inside `mnjax.process_local`.
-
-Why one `shard_map`ped program per step (measured on 2 processes x 2 emulated devices,
-docs/design/multi_device.md): the cross-process MPI call sits *inside* the mapped step, as
-mnjax's effect-free custom call, with ``lax.cond``/``lax.switch`` on the local axis index
-choosing which device talks MPI on which communicator. That kept 0.92-0.96 of the
-local-only step throughput. An ordered ``io_callback`` runs once per *device* under
-shard_map and deadlocks; a split step (local jit, MPI jit, update jit) deadlocks XLA:CPU's
-local rendezvous under asynchronous dispatch and reaches only 0.83 synchronised.
+optimizer state); the cross-process MPI call sits inside the one mapped program (why:
+docs/design/multi_device.md). A user reduction over the same axis left from a pmap script is
+refused unless traced inside `mnjax.process_local`.
 """
 
 from __future__ import annotations
@@ -33,8 +23,8 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mnjax.comm import _sequence as sequence
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._instep import _sequence as sequence
 from mnjax.guard import _preflight as preflight
 from mnjax.guard import _program as program
 from mnjax.train import _step_checks as checks
@@ -51,26 +41,14 @@ def data_parallel(
 ) -> Callable[..., Any]:
   """A jitted version of the per-device step `fn` that runs on every local device.
 
-  Outputs of `fn` must be the same on all devices (parameters updated with all-reduced
-  gradients are), except those listed in `per_device_outputs` (e.g. metrics of each
-  device's examples): they come back stacked along a new leading axis, one row per local
-  device of this process, for every kind alike (``flat``: one row), as ``jax.pmap`` returns
-  them. A Python number there (``{"count": 32}``) becomes a row per device, as under
-  ``pmap``; any other leaf that is not an array is a `TypeError` naming the output, raised
-  on every rank while the step is traced.
+  Outputs of `fn` must be the same on all devices, except those listed in
+  `per_device_outputs`: they come back stacked along a new leading axis, one row per local
+  device (``flat``: one row), as ``jax.pmap`` returns them.
 
-  Before the step first runs, every rank checks that all ranks run the same step, each
-  with one small host allgather per trace (a retrace on one rank only, for another batch
-  size, needs none): the in-step collectives (`mnjax.SyncBatchNorm` layers, gradient
-  buckets; `mnjax.guard._preflight.check_collective_sequence`), then the whole program
-  (`mnjax.guard._program`: every operation, literal and constant, so another learning rate,
-  accumulation period or constant on one rank is named, with its source, as a `ValueError`
-  on every rank instead of replicas that silently drift apart or a hang). Values that must
-  differ per rank go in as arguments (compared by shape and dtype only). A collective over
-  ``comm.axis_name`` that user code left in the step (``jax.lax.pmean(x, "batch")`` from a
-  pmap script) is refused under the kinds where it would span this process's devices only
-  (``hierarchical``, ``two_dimensional``, ``single_node``) unless it is inside
-  `mnjax.process_local`; under ``flat`` the axis is unbound, which is refused with the fix too.
+  Before the step first runs, the ranks compare its in-step collectives and its whole
+  program (one small allgather per trace); a difference is a `ValueError` on every rank.
+  Values that must differ per rank go in as arguments. A leftover collective over
+  ``comm.axis_name`` is refused unless inside `mnjax.process_local`.
 
   Args:
     fn: ``fn(*args)``, written for one device and one device's share of the batch.
@@ -108,9 +86,7 @@ def data_parallel(
   per_device_outputs = _positions(per_device_outputs, "per_device_outputs", "output of fn")
 
   agreed: set = set()  # the collective sequences this step's ranks have agreed on
-  # xla with several local devices: replicated outputs come back from the first device
-  # (`_local`), so per-device state cannot survive a step; transformations that keep some
-  # refuse it while traced (`mnjax.comm._sequence.state_from_first_device`).
+  # xla, several local devices: replicated outputs come from the first device only.
   first_device = (sequence.state_from_first_device
                   if comm.kind == "xla" and comm.local_device_count > 1 else contextlib.nullcontext)
 
@@ -125,8 +101,7 @@ def data_parallel(
 
   def stacked(*args):
     _check_batch_positions(batch_argnums, len(args))  # while tracing: once per compilation
-    # Traced once into a jaxpr (so that the ranks can compare it), then replayed into the
-    # step's own trace: one Python trace of fn, one flat program, as with fn(*args).
+    # Traced once into a jaxpr (compared across ranks), then replayed into the step's trace.
     with preflight.recording() as collectives, first_device():  # SyncBatchNorm's, in order
       closed, shapes = checks.trace(per_device, args, comm)
     checks.check_local_collectives(closed, comm)

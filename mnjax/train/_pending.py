@@ -1,12 +1,8 @@
 """Double buffering's pending gradients, made whole before a checkpoint (`flush_pending`).
 
-With ``mnjax.create_multi_node_optimizer(tx, comm, double_buffering=True)`` the state holds
-each rank's (and each local device's) own, unreduced gradient of the last step, while
-`mnjax.Checkpointer` saves rank 0's state and broadcasts it on restore (and refuses, on every
-rank, to save pending gradients that differ between replicas). `flush_pending`
-replaces those pending gradients by their global sum, between steps, with one small
-`data_parallel` program (this layer runs steps; the transformation itself lives in
-`mnjax.optim._double_buffering`).
+`mnjax.Checkpointer` saves rank 0's state, but each replica's pending gradient is its own:
+`flush_pending` replaces them by their global sum, between steps, with one small
+`data_parallel` program.
 """
 
 from __future__ import annotations
@@ -18,8 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mnjax.comm import _collectives as collectives
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._instep import _allreduce as collectives
 from mnjax.optim._double_buffering import PendingGradient
 from mnjax.train._parallel import data_parallel
 

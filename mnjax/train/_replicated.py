@@ -1,46 +1,11 @@
 """Which outputs of a per-device step may differ across the local devices (a jaxpr analysis).
 
-Under the multi-device kinds (``hierarchical``, ``two_dimensional``, ``single_node``, ``xla``)
-`mnjax.data_parallel` maps the step over the local devices with ``jax.shard_map(...,
-check_vma=False)``, and an output not listed in ``per_device_outputs`` comes back as local
-device 0's value, whatever the other devices computed. A per-device loss returned that way is
-device 0's loss only (flax's ``common_utils.get_metrics`` then logs it as the batch's), and
-per-device ``nn.BatchNorm`` statistics are device 0's: silently. `varying_outputs` finds such
-outputs before the step runs, from the per-device jaxpr (the one traced with the local axis
-bound, e.g. by ``jax.make_jaxpr`` inside the shard_map), so that `data_parallel` can refuse
-them with the fix.
-
-The analysis is a conservative forward data flow over the jaxpr: a value is *varying* when it
-may differ between the devices of the axis, *invariant* when it is provably the same on all.
-
-* Inputs in batch positions are varying, the others (parameters, optimizer state) invariant;
-  constants and literals are invariant.
-* ``lax.axis_index(axis)`` is varying. The results of ``psum``, ``pmax``, ``pmin``,
-  ``all_gather`` and ``pbroadcast`` over the axis (without ``axis_index_groups``) are
-  invariant, and so ``lax.pmean`` (``psum`` then ``div``). ``ppermute``, ``all_to_all``,
-  ``psum_scatter`` and any other primitive that names the axis are varying.
-* Every other primitive: varying iff an operand is varying (same inputs, same result), but an
-  ``io_callback``'s results, which may depend on more than its operands, are varying.
-* Nested programs are followed: ``jit``/``pjit``, ``closed_call``, ``custom_jvp_call``,
-  ``custom_vjp_call`` (its primal program), ``remat``/``checkpoint``, ``shard_map``; ``cond``
-  (a varying index makes every result varying: devices run different branches); ``while``
-  and ``scan`` (their carry is iterated to a fixed point; a varying ``while`` predicate makes
-  every result varying). An unknown primitive with a nested program has varying results as
-  soon as an operand is varying or its program mentions the axis.
-
-mnjax's own collectives need no special case: what they return is invariant by this analysis.
-The ``hierarchical`` sum is a ``psum`` over the local devices, a ``lax.cond`` on the axis index
-that lets device 0 call MPI (varying) and a final ``psum`` (invariant); ``two_dimensional``
-reduce-scatters (varying), lets device ``i`` call MPI on ``lax.switch`` (varying) and
-all-gathers (invariant); the MPI primitives themselves (``mnjax_allreduce_sum``, ...) follow
-the operand rule. So gradients through `mnjax.allreduce_gradients`, parameters updated with
-them and `mnjax.SyncBatchNorm` statistics come out invariant (tests/unit/test_replicated.py
-checks it on traced steps, with and without several processes).
-
-Conservative means: an output found invariant is the same on every device (barring floating
-point differences of the same program on different devices, which XLA does not produce on
-one platform); one found varying may, in rare programs, still be equal everywhere (e.g. a
-``ppermute`` of an invariant value, or a ``cond`` on the axis index whose branches agree).
+Under the multi-device kinds an output not listed in ``per_device_outputs`` comes back as local
+device 0's value. `varying_outputs` finds outputs that may differ per device from the
+per-device jaxpr, by a conservative forward data flow: batch inputs and ``axis_index`` are
+varying; ``psum``/``pmax``/``pmin``/``all_gather``/``pbroadcast`` over the axis make their
+results invariant; other primitives are varying iff an operand is; nested programs are
+followed. The rules: docs/design/multi_device.md.
 """
 
 from __future__ import annotations

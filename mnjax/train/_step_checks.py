@@ -1,13 +1,10 @@
 """What `mnjax.data_parallel` checks in a traced step before it first runs, beyond the ranks'
 agreement (`mnjax.guard._preflight`, `mnjax.guard._program`): the step's meaning under pmap.
 
-A pmap script's step keeps its meaning only if nothing in it silently becomes local to one
-process: a leftover ``lax.pmean(x, "batch")`` reduces over this process's devices only
-under the multi-device MPI kinds (`check_local_collectives`; `process_local` marks a local
-reduction that is meant), and an output that differs per device but is not listed in
-``per_device_outputs`` comes back as local device 0's value (`check_replicated_outputs`,
-from `mnjax.train._replicated.varying_outputs`). Under ``flat`` the axis is unbound, and
-`trace` turns JAX's error into one with the fix.
+`check_local_collectives` refuses a leftover ``lax.pmean(x, "batch")`` that would reduce over
+this process's devices only (`process_local` marks one that is meant);
+`check_replicated_outputs` refuses a per-device output not listed in ``per_device_outputs``;
+under ``flat`` `trace` turns JAX's unbound-axis error into one with the fix.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import pytest
 import lab.runner
 import mnjax
 from lab import aot
-from mnjax.comm._collectives import buckets_leave_early
+from mnjax.comm._instep._allreduce import buckets_leave_early
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = (8, 8, 3)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import mnjax
-from mnjax.comm import _native as native
+from mnjax.comm._instep import _native as native
 
 K, PER_RANK, DIM = 3, 4, 5
 
@@ -109,7 +109,7 @@ def test_where_state_comes_back_from_the_first_device_only_it_is_refused(comm):
   # data_parallel traces the xla kind with several local devices inside this context
   # (tests/support/xla_worker.py checks the real case): each device's partial sum would be
   # replaced by device 0's between steps, a silently wrong gradient.
-  from mnjax.comm import _sequence as sequence
+  from mnjax.comm._instep import _sequence as sequence
 
   tx = mnjax.accumulate_gradients(optax.sgd(0.1), every_k=2)
   params = {"w": jnp.ones(3)}

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 import lab.models
 import mnjax
-from mnjax.comm import _collectives as collectives
+from mnjax.comm._instep import _allreduce as collectives
 
 PER_REPLICA = 3
 BRANCHES = 6

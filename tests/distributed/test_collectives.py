@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import mnjax
-from mnjax.comm import _collectives as collectives
+from mnjax.comm._instep import _allreduce as collectives
 
 
 def tree_for_rank(rank):
@@ -129,7 +129,7 @@ def test_allreduce_metrics_exact_integers_and_float_sums(comm):
 
 
 def test_in_step_allreduce_refuses_differentiation_with_a_clear_error(comm):
-  from mnjax.comm._primitives import allreduce_sum
+  from mnjax.comm._instep._primitives import allreduce_sum
 
   with pytest.raises(NotImplementedError, match="reduce gradients after jax.grad"):
     jax.grad(lambda v: allreduce_sum(v, comm.device_comm).sum())(jnp.ones(3))

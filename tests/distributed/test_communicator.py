@@ -14,7 +14,7 @@ from mpi4py import MPI
 import mnjax
 from lab.models import SmallCNN
 from lab.runner import create_train_state, make_train_step
-from mnjax.comm import _collectives as collectives
+from mnjax.comm._instep import _allreduce as collectives
 
 DIGITS = mnjax.data.load_digits("train")
 PER_DEVICE = 4
@@ -53,7 +53,7 @@ def test_kind_averages_gradients_like_flat_over_the_same_global_batch(comm, kind
   # What `flat` computes with one process per replica: the mean-loss gradient of the
   # global batch (each replica's mean loss averaged over equal-size replicas).
   expected = jax.jit(jax.grad(loss))(params, images, labels)
-  # bfloat16 on the wire: two roundings of 2^-8 each (mnjax.comm._wire's bound), in norm.
+  # bfloat16 on the wire: two roundings of 2^-8 each (mnjax.comm._instep._wire's bound), in norm.
   assert relative_difference(got, expected) <= (1e-5 if wire_dtype is None else 2**-7)
   # Every local device holds the same result.
   for leaf in jax.tree.leaves(got):
@@ -149,7 +149,7 @@ def test_auto_next_to_an_explicit_kind_says_what_auto_chose(comm):
 def test_auto_choosing_different_kinds_keeps_its_own_message(comm, monkeypatch):
   if comm.size == 1:
     pytest.skip("needs ranks that disagree (runs under mpirun)")
-  from mnjax.comm import _communicator as communicator
+  from mnjax.comm import _create as communicator
 
   if comm.rank == comm.size - 1:  # as if this rank's node had GPUs
     monkeypatch.setattr(communicator, "resolve_kind", lambda kind: "xla")

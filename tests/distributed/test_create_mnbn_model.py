@@ -22,7 +22,7 @@ import lab.models
 import lab.runner
 import mnjax
 from lab.models._resnet import BasicBlock
-from mnjax.comm._host import allreduce
+from mnjax.comm._host._broadcast import allreduce
 
 PER_RANK = 3
 

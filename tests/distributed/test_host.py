@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import mnjax
-from mnjax.comm import _digest as digest
-from mnjax.comm import _host as host
+from mnjax.comm._host import _broadcast as host
+from mnjax.comm._host import _digest as digest
 
 
 def rank_losses(rank):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mnjax.collectives import _transport as transport
+from mnjax.comm._host import _transport as transport
 
 MULTI = "needs two ranks or more (runs under mpirun)"
 

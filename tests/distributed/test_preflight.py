@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import mnjax
-from mnjax.comm import _native as native
+from mnjax.comm._instep import _native as native
 from mnjax.guard import _preflight as preflight
 
 REFERENCE = {"dense": {"kernel": ((4, 6), jnp.float32), "bias": ((6,), jnp.float32)}}

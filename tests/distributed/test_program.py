@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import mnjax
-from mnjax.comm import _native as native
+from mnjax.comm._instep import _native as native
 
 KINDS = ["flat", "hierarchical"]
 

@@ -25,7 +25,7 @@ import optax
 import pytest
 
 import mnjax
-from mnjax.comm import _scatter as scatter
+from mnjax.comm._instep import _scatter as scatter
 from mnjax.optim import _shard_state as shard
 
 STEPS, PER_RANK = 10, 6

@@ -26,7 +26,7 @@ def test_a_group_holds_the_ranks_of_one_color_ordered_by_key(comm):
   assert [int(a[0]) for a in sub.allgather(np.array([comm.rank]))] == group
   assert (sub.intra_size, sub.inter_size) == (sub.size, 1)  # one host: one node
   last = comm.size - 1
-  rest = mnjax.collectives.split(comm, None if comm.rank == last else 0)
+  rest = comm.split(None if comm.rank == last else 0)
   assert (rest is None) == (comm.rank == last)
   if rest is not None:
     assert rest.size == comm.size - 1

@@ -15,9 +15,9 @@ import pytest
 import mnjax
 from lab.models import SmallCNN
 from lab.runner import RunConfig, create_train_state, guarded_optimizer, make_train_step, train_loop
-from mnjax.comm import _buckets as bucketing
-from mnjax.comm import _collectives as collectives
-from mnjax.comm import _recorder as recorder
+from mnjax.comm._instep import _allreduce as collectives
+from mnjax.comm._instep import _buckets as bucketing
+from mnjax.comm._instep import _recorder as recorder
 from mnjax.guard import _timeline as timeline_module
 
 TREE = {"a": jnp.ones(300), "b": jnp.ones(100), "c": jnp.ones(2000)}

@@ -8,9 +8,9 @@ import optax
 import pytest
 
 import mnjax
-from mnjax.comm import _buckets as bucketing
-from mnjax.comm import _collectives as collectives
-from mnjax.comm import _wire as wire
+from mnjax.comm._instep import _allreduce as collectives
+from mnjax.comm._instep import _buckets as bucketing
+from mnjax.comm._instep import _wire as wire
 
 WIRES = [jnp.bfloat16, jnp.float16]
 

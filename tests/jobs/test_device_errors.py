@@ -61,7 +61,7 @@ def test_gpus_are_expected_only_with_the_plugin_and_a_visible_gpu(monkeypatch):
 
 
 def test_auto_picks_flat_without_gpus():
-  from mnjax.comm._communicator import resolve_kind
+  from mnjax.comm._create import resolve_kind
 
   if devices.gpu_inventory():
     pytest.skip("this machine has GPUs (the xla case is python -m lab.bench gpu's)")

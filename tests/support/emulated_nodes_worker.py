@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mnjax
-from mnjax.comm import _collectives as collectives
+from mnjax.comm._instep import _allreduce as collectives
 
 
 def averaged(comm):

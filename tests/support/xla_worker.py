@@ -16,7 +16,7 @@ import optax
 
 from lab.models import SmallCNN
 from lab.runner import create_train_state, make_train_step
-from mnjax.comm import _collectives as collectives
+from mnjax.comm._instep import _allreduce as collectives
 
 PER_DEVICE = 4
 data = mnjax.data.load_digits("train")

@@ -11,10 +11,10 @@ Rules (fast, no MPI launch; the library is imported, nothing runs):
   ``mnjax.comm.abort``; ```mnjax.broadcast``` documents the top-level ``broadcast``; an
   unqualified ```abort``` documents nothing (``allgather`` is in two subpackages).
 * File map (docs/design/overview.md): every ``.py`` file under mnjax/ and lab/ appears as its
-  path from the checkout root in a code span (```mnjax/comm/_buckets.py```); a package's
+  path from the checkout root in a code span (```mnjax/comm/_instep/_buckets.py```); a package's
   ``__init__.py`` and ``__main__.py`` are covered by the package folder with a trailing
   slash (```mnjax/comm/```), which must appear too.
-* No private module of mnjax (``mnjax.comm._recorder``: a dotted name with a component that
+* No private module of mnjax (``mnjax.comm._instep._recorder``: a dotted name with a component that
   starts with ``_``) is named in docs/api.md or README.md.
 * Every relative link ``[text](target)`` in README.md, docs/*.md and docs/design/overview.md
   points to an existing file or folder (fragments ignored; http(s), mailto and ``#anchor``

@@ -34,9 +34,9 @@ import lab
 import mnjax
 
 # Entry points that start processes or re-launch themselves; their examples are commands.
-EXCLUDED = ("lab.bench.__main__", "mnjax.comm._native.__main__")
+EXCLUDED = ("lab.bench.__main__", "mnjax.comm._instep._native.__main__")
 #: The compiled handlers (one library per MPI vendor: `_mpi_collectives`, `-openmpi`, ...).
-COMPILED = "mnjax.comm._native._mpi_collectives"
+COMPILED = "mnjax.comm._instep._native._mpi_collectives"
 
 
 def _modules() -> list[str]:

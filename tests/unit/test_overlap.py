@@ -188,7 +188,7 @@ def test_with_sync_batch_norm_the_exchange_waits_for_its_collectives():
 
 def test_the_cost_model_uses_the_implementations_bucket_plan():
   from lab.costmodel import hardware, step
-  from mnjax.comm._buckets import plan_buckets
+  from mnjax.comm._instep._buckets import plan_buckets
 
   leaves = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(64, 64), (64,), (4096,), (10,)]]
   sizes = step.planned_buckets(leaves, 8192)

@@ -15,10 +15,10 @@ import pytest
 
 import mnjax
 from lab.bench.hlo_order import dependencies, depends_on, mpi_calls, unchained, unchained_compiled
-from mnjax.comm import _buckets as bucketing
-from mnjax.comm import _collectives as collectives
-from mnjax.comm import _primitives as mpi_ops
-from mnjax.comm import _sequence as sequence
+from mnjax.comm._instep import _allreduce as collectives
+from mnjax.comm._instep import _buckets as bucketing
+from mnjax.comm._instep import _primitives as mpi_ops
+from mnjax.comm._instep import _sequence as sequence
 
 LEAVES = {f"w{i}": jnp.ones((64 + i,), jnp.float32) for i in range(6)}
 

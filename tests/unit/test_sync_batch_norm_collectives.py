@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import mnjax
 from lab.bench.hlo_order import dependencies, depends_on, mpi_calls
-from mnjax.comm import _sequence as sequence
+from mnjax.comm._instep import _sequence as sequence
 
 WIDTHS = (3, 5, 7)  # parallel branches after a stem of 4 features
 

@@ -1,24 +1,10 @@
 """What the timeline records, at the level that sees it: the CPU handlers and host collectives.
 
-`mnjax.guard.Timeline` turns events into a trace and a straggler report; this module is the
-recording side it switches on, kept in the collectives layer because the collectives call it:
-
-* **in-step collectives** are timed by mnjax's CPU handlers themselves (`mnjax.comm._native`:
-  entry, exit, bytes, communicator) into a ring buffer that `drain` reads. What an event
-  *is* (bucket 3 of the gradient allreduce, a SyncBatchNorm layer's statistics) is known
-  only while the step is traced: `tagging` registers a tag there, and the collective traced
-  inside passes its id to the handler as an attribute (`tag_for_bind`). A step traced with no
-  timeline on carries no tag and lowers exactly as before.
-* **steps**: `mark_step` traces a tiny handler call at the start and end of a train step
-  (CPU only; nothing when no timeline is on) that stamps the step number; the handlers
-  attribute each later collective to it.
-* **host collectives** (`mnjax.broadcast`, the pre-flight checks, ...) and any other
-  operation that wants a place in the timeline (point-to-point ops) call `record`, the one
-  Python recording function, or `host_span` around themselves.
-
-On GPUs the in-step collectives go through mpi4jax's handlers, which mnjax cannot time: the
-timeline then holds host collectives and steps as dispatched, and `tagging` adds
-``jax.named_scope("mnjax/<kind>")`` so that a ``jax.profiler`` trace names the collectives.
+The recording side `mnjax.guard.Timeline` switches on. The CPU handlers time in-step
+collectives into a ring that `drain` reads; `tagging` labels collectives while a step is
+traced (`tag_for_bind`); `mark_step` stamps step boundaries (CPU only); host operations call
+`record` or `host_span`. On GPUs only host events and steps are recorded, and `tagging` adds
+a ``jax.named_scope``. Design: docs/design/timeline.md.
 """
 
 from __future__ import annotations
@@ -39,7 +25,7 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from mnjax.comm import _native as native
+from mnjax.comm._instep import _native as native
 
 __all__ = [
     "EVENT_DTYPE", "NATIVE_KINDS", "active", "drain", "host_span", "mark_step", "now_ns",
@@ -125,10 +111,8 @@ def set_step(step: int) -> None:
 
 
 def record(kind: str, start_ns: int, end_ns: int, *, bytes: int = 0) -> None:
-  """Records one host-side operation (a host collective, a point-to-point op) that took
-  ``[start_ns, end_ns]`` on `now_ns`'s clock; nothing when no timeline is on. Every rank
-  must record the same host collectives in the same order (they are matched by position
-  to find who arrived last).
+  """Records one host-side operation that took ``[start_ns, end_ns]`` (`now_ns`'s clock);
+  nothing when no timeline is on. Ranks must record host collectives in the same order.
 
   Example:
     >>> start = now_ns()
@@ -184,9 +168,8 @@ def drain() -> tuple[np.ndarray, list[tuple], int]:
 
 @contextlib.contextmanager
 def tagging(kind: str, *, bucket: int = -1, bytes: int = 0) -> Iterator[None]:
-  """Collectives traced inside are labelled `kind` (and `bucket`, and `bytes`: the
-  buffer reduced, before any 16-bit wire conversion) in the timeline; nothing when no
-  timeline is on.
+  """Collectives traced inside are labelled `kind`, `bucket` and `bytes` (before any 16-bit
+  wire conversion) in the timeline; nothing when no timeline is on.
 
   Example:
     >>> with tagging("bucket allreduce", bucket=0, bytes=4096):
@@ -221,12 +204,9 @@ def _on_cpu() -> bool:
 
 
 def mark_step(step: Any, *, end: bool = False, after: Any = None) -> Any:
-  """`step` (a traced integer: the step counter), passed through a step mark traced into
-  the step: its start or, with ``end=True``, its end (`after`: a value computed from the
-  step's outputs, e.g. `completion` of the new state). Use the result in place of `step`
-  (so that XLA keeps the mark, where the step needs it). Returns `step` itself, tracing
-  nothing, when no timeline is on, or off CPUs (there the host's dispatch times stand for
-  the steps).
+  """`step` (the traced step counter) passed through a start mark, or with ``end=True`` an
+  end mark that waits for `after` (e.g. `completion` of the new state). Use the result in
+  place of `step`. Traces nothing when no timeline is on, or off CPUs.
 
   Example:
     >>> jax.jit(lambda step: mark_step(step) + 1)(jnp.int32(4))   # no timeline on: nothing

@@ -1,22 +1,10 @@
 """mnjax's compiled piece: MPI collectives as XLA FFI handlers for CPU (`mpi_collectives.cc`).
 
-Why it exists (measured in ``python -m lab.bench allreduce``):
-
-* mpi4jax's allreduce handler works out of place, into a result buffer XLA allocates fresh
-  on every call: every call pays first-touch page faults on the whole result and an MPI copy
-  of the input. mnjax's reduces with ``MPI_IN_PLACE`` in the operand's memory, which XLA
-  aliases to the result.
-* XLA:CPU runs independent operations concurrently and in any order. Two collectives with
-  no data dependency between them can start in different orders on different ranks and
-  cross-match (seen: "Message truncated" aborts with one allreduce per ResNet-50 leaf).
-  ``optimization_barrier`` does not survive compilation, and mpi4jax's handlers order only
-  through tokens. mnjax's handlers take an extra ``after`` operand, the previous
-  collective's result: a data dependency XLA must honour.
-
-It is compiled with the MPI C++ compiler wrapper (``$MPICXX``, else ``mpicxx`` next to the
-Python executable or on ``PATH``) against jaxlib's FFI headers, by ``scripts/setup.sh``,
-by ``python -m mnjax.comm._native``, or automatically on first use when missing or older than its
-source.
+The handlers reduce in place (``MPI_IN_PLACE``, result aliased to the operand) and take an
+``after`` operand that orders them by data (docs/design/allreduce.md, sections 1-2). Built
+with the MPI C++ compiler wrapper (``$MPICXX``, else ``mpicxx`` next to Python or on
+``PATH``) by ``scripts/setup.sh``, ``python -m mnjax.comm._instep._native``, or on first use
+when missing or older than its source.
 """
 
 from __future__ import annotations
@@ -33,11 +21,8 @@ __all__ = ["LIBRARY", "SOURCE", "TARGETS", "allreduce_calls", "build", "collecti
            "handlers", "is_stale", "register"]
 
 
-
 def _abi_suffix() -> str:
-  """'' under MPICH (the `mpich` wheel), else ``-<vendor>`` (``-openmpi``): one library per
-  MPI, so venvs built against different MPIs (``MNJAX_MPI=system``) share the source tree
-  without loading each other's build."""
+  """'' under MPICH, else ``-<vendor>``: one library per MPI sharing the source tree."""
   from mpi4py import MPI  # noqa: PLC0415 (already loaded by mnjax.comm)
 
   vendor = MPI.get_vendor()[0]
@@ -61,10 +46,10 @@ def _compiler() -> str:
     if c and Path(c).is_file() and os.access(c, os.X_OK):
       return c
   raise FileNotFoundError(
-      "mnjax.comm._native: no MPI C++ compiler found (looked at $MPICXX, mpicxx next to"
+      "mnjax.comm._instep._native: no MPI C++ compiler found (looked at $MPICXX, mpicxx next to"
       f" {sys.executable}, mpicxx/mpic++ on PATH). Install the `mpich` extra or put your"
       " MPI's mpicxx on PATH (or set MPICXX=/path/to/mpicxx), then run"
-      " `python -m mnjax.comm._native`."
+      " `python -m mnjax.comm._instep._native`."
   )
 
 
@@ -72,7 +57,7 @@ def is_stale() -> bool:
   """True when the library is missing or older than its source.
 
   Example:
-    >>> mnjax.comm._native.is_stale()
+    >>> mnjax.comm._instep._native.is_stale()
     False
   """
   return not LIBRARY.exists() or LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime
@@ -82,8 +67,8 @@ def build(force: bool = False) -> Path:
   """Compiles the handler into `LIBRARY` (skipped when up to date unless `force`).
 
   Example:
-    >>> mnjax.comm._native.build()
-    PosixPath('.../mnjax/comm/_native/_mpi_collectives.so')
+    >>> mnjax.comm._instep._native.build()
+    PosixPath('.../mnjax/comm/_instep/_native/_mpi_collectives.so')
   """
   if not force and not is_stale():
     return LIBRARY
@@ -95,7 +80,8 @@ def build(force: bool = False) -> Path:
   out = subprocess.run(cmd, capture_output=True, text=True)
   if out.returncode != 0:
     tmp.unlink(missing_ok=True)
-    raise RuntimeError(f"mnjax.comm._native: `{' '.join(cmd)}` failed:\n{out.stderr[-4000:]}")
+    raise RuntimeError(
+        f"mnjax.comm._instep._native: `{' '.join(cmd)}` failed:\n{out.stderr[-4000:]}")
   tmp.replace(LIBRARY)  # atomic: a concurrent loader never sees half a library
   return LIBRARY
 
@@ -110,13 +96,11 @@ def _library() -> ctypes.CDLL:
 def allreduce_calls() -> int:
   """How many allreduces this process's mnjax handlers have completed.
 
-  A cheap runtime count for proving that a step issued no collective.
-
   Example:
-    >>> step = jax.jit(lambda v: mnjax.comm._primitives.allreduce_sum(v, comm.device_comm))
-    >>> before = mnjax.comm._native.allreduce_calls()
+    >>> step = jax.jit(lambda v: mnjax.comm._instep._primitives.allreduce_sum(v, comm.device_comm))
+    >>> before = mnjax.comm._instep._native.allreduce_calls()
     >>> _ = jax.block_until_ready(step(jnp.ones(3)))    # one in-step allreduce
-    >>> mnjax.comm._native.allreduce_calls() - before
+    >>> mnjax.comm._instep._native.allreduce_calls() - before
     1
   """
   fn = _library().mnjax_allreduce_calls
@@ -126,11 +110,10 @@ def allreduce_calls() -> int:
 
 def collective_counts() -> tuple[int, int]:
   """``(entered, completed)``: in-step collectives this process's handlers have started and
-  finished. More entered than completed means a collective is waiting for its peers
-  (`mnjax.Watchdog` compares these across ranks to name the ranks that never came).
+  finished; more entered than completed means one waits for its peers.
 
   Example:
-    >>> entered, completed = mnjax.comm._native.collective_counts()
+    >>> entered, completed = mnjax.comm._instep._native.collective_counts()
     >>> entered == completed     # no collective is waiting for its peers
     True
   """
@@ -145,7 +128,7 @@ def handlers() -> dict:
   """FFI handler capsules by target name (`TARGETS`), building the library if needed.
 
   Example:
-    >>> for name, capsule in mnjax.comm._native.handlers().items():
+    >>> for name, capsule in mnjax.comm._instep._native.handlers().items():
     ...   jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   """
   from jax import ffi  # noqa: PLC0415 (the counters and is_stale work without importing jax)

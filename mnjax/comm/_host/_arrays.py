@@ -1,18 +1,10 @@
 """Host-side collectives on arrays (ChainerMN's ``comm.send``, ``bcast``, ``gather``, ...).
 
-For what moves between steps rather than inside them: a model-parallel stage's inputs at
-start-up, evaluation outputs gathered on one rank, per-rank arrays of different shapes. Arrays
-travel as raw bytes (`mnjax.collectives._transport`), so every numpy dtype keeps its bits
-(bfloat16, bool); results are numpy arrays (``jnp.asarray`` puts one on the device).
-
-The collectives first agree on what every rank passed (`mnjax.collectives._agreement`): the
-operation, the root, each rank's shape and dtype. Shapes may differ between ranks where
-ChainerMN allows it (`gather`, `allgather`, `alltoall`); dtypes may not; a mismatch, another
-root, or an argument that is not an array is the same `ValueError` on every rank, naming the
-ranks, before any byte moves. Point-to-point `send` / `recv` carry a header with the
-shapes, so the receiver needs none; a wrong peer or tag is an error on the rank that passed
-it (the job then ends, `mnjax.comm._failfast`); a peer that finished its program is named,
-not waited for.
+Arrays travel as raw bytes, so every numpy dtype keeps its bits; results are numpy arrays.
+The collectives first agree on every rank's operation, root, shapes and dtypes (shapes may
+differ for `gather`, `allgather`, `alltoall`); a mismatch is the same `ValueError` on every
+rank before any byte moves. `send` / `recv` carry a header with the shapes; a wrong peer or
+tag is an error on the rank that passed it.
 """
 
 from __future__ import annotations
@@ -23,8 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mnjax.collectives import _transport as transport
-from mnjax.collectives._agreement import (
+from mnjax.comm._host import _transport as transport
+from mnjax.comm._host._agreement import (
   array_signature,
   check_call,
   describe_root,
@@ -32,7 +24,6 @@ from mnjax.collectives._agreement import (
   ranks_text,
   to_dtype,
 )
-from mnjax.comm._communicator import Communicator, check_communicator
 
 __all__ = ["allgather", "alltoall", "bcast", "gather", "recv", "scatter", "send"]
 
@@ -50,10 +41,9 @@ def _nbytes(signature: tuple) -> int:
   return int(np.prod(shape, dtype=np.int64)) * to_dtype(dtype).itemsize
 
 
-def send(x: Any, comm: Communicator, dest: int, tag: int = 0) -> None:
-  """Sends the pytree of arrays `x` to rank `dest` (ChainerMN's ``comm.send``), which
-  receives it with `recv` (``comm.recv(source, tag)``). Host-side and blocking: returns
-  once `dest` has begun receiving.
+def send(x: Any, comm: Any, dest: int, tag: int = 0) -> None:
+  """Sends the pytree of arrays `x` to rank `dest`, which receives it with `recv`.
+  Host-side and blocking: returns once `dest` has begun receiving.
 
   Example:
     >>> if comm.size > 1 and comm.rank == 0:        # rank 0 -> rank 1
@@ -61,7 +51,6 @@ def send(x: Any, comm: Communicator, dest: int, tag: int = 0) -> None:
     >>> if comm.size > 1 and comm.rank == 1:
     ...   got = comm.recv(source=0, tag=7)           # {'h': array of shape (2, 3)}
   """
-  check_communicator(comm, "send")
   tag = transport.check_tag(tag, "send")
   dest = transport.check_peer(comm, dest, "dest", "send")
   leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -75,14 +64,13 @@ def send(x: Any, comm: Communicator, dest: int, tag: int = 0) -> None:
   transport.send_message(comm, "arrays", (treedef, signatures), payload, dest, tag, "send")
 
 
-def recv(comm: Communicator, source: int, tag: int = 0) -> Any:
+def recv(comm: Any, source: int, tag: int = 0) -> Any:
   """What rank `source` sent with `send` and `tag`: the same pytree, of numpy arrays.
 
   Example:
     >>> if comm.size > 1 and comm.rank == 1:
-    ...   x = mnjax.collectives.recv(comm, source=0, tag=7)   # doctest: +SKIP
+    ...   x = comm.recv(source=0, tag=7)                     # doctest: +SKIP
   """
-  check_communicator(comm, "recv")
   tag = transport.check_tag(tag, "recv")
   source = transport.check_peer(comm, source, "source", "recv")
   kind, meta, payload, _ = transport.recv_message(comm, source, tag, "recv")
@@ -98,7 +86,7 @@ def recv(comm: Communicator, source: int, tag: int = 0) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def bcast(x: Any, comm: Communicator, root: int = 0) -> np.ndarray:
+def bcast(x: Any, comm: Any, root: int = 0) -> np.ndarray:
   """`root`'s array on every rank (ChainerMN's ``comm.bcast``). The other ranks pass None
   or an array of the same shape and dtype (checked). Collective.
 
@@ -107,9 +95,9 @@ def bcast(x: Any, comm: Communicator, root: int = 0) -> np.ndarray:
     >>> comm.bcast(x, root=0).tolist()
     [0.0, 1.0, 2.0]
   """
-  check_communicator(comm, "bcast")
   body = ("none",) if x is None else array_signature(x)
-  described = everyone(comm, ("bcast", describe_root(root), transport.MAX_MESSAGE_BYTES, body),
+  described = everyone(comm, "bcast",
+                       ("bcast", describe_root(root), transport.MAX_MESSAGE_BYTES, body),
                        "bcast's check of every rank's root, shape and dtype")
   root = check_call(described, "bcast", comm.size)
   bodies = [d[3] for d in described]
@@ -151,13 +139,13 @@ def _same_dtype(bodies: list[tuple], caller: str, what: str = "array") -> None:
         " Cast them to one dtype first; nothing was exchanged.")
 
 
-def _exchange(comm: Communicator, op: str, sends: list[np.ndarray], recv_sizes: list[int],
+def _exchange(comm: Any, op: str, sends: list[np.ndarray], recv_sizes: list[int],
               every_size: list[int], root: int = 0) -> list[np.ndarray]:
   return transport.exchange_bytes(op, sends, recv_sizes, comm, max(every_size, default=0),
                                   transport.MAX_MESSAGE_BYTES, root)
 
 
-def gather(x: Any, comm: Communicator, root: int = 0) -> tuple[np.ndarray, ...] | None:
+def gather(x: Any, comm: Any, root: int = 0) -> tuple[np.ndarray, ...] | None:
   """Every rank's array, by rank, on `root` (None elsewhere; ChainerMN's ``comm.gather``).
   Shapes may differ between ranks; dtypes must agree. Collective.
 
@@ -166,9 +154,9 @@ def gather(x: Any, comm: Communicator, root: int = 0) -> tuple[np.ndarray, ...] 
     >>> [a.tolist() for a in got] if comm.rank == 0 else got   # on rank 0, one per rank
     [[0, 0]]
   """
-  check_communicator(comm, "gather")
   described = everyone(
-      comm, ("gather", describe_root(root), transport.MAX_MESSAGE_BYTES, array_signature(x)),
+      comm, "gather",
+      ("gather", describe_root(root), transport.MAX_MESSAGE_BYTES, array_signature(x)),
       "gather's check of every rank's root and dtype")
   root = check_call(described, "gather", comm.size)
   bodies = [d[3] for d in described]
@@ -183,7 +171,7 @@ def gather(x: Any, comm: Communicator, root: int = 0) -> tuple[np.ndarray, ...] 
   return tuple(_array(g, b[1], b[2]) for g, b in zip(got, bodies))
 
 
-def allgather(x: Any, comm: Communicator) -> tuple[np.ndarray, ...]:
+def allgather(x: Any, comm: Any) -> tuple[np.ndarray, ...]:
   """Every rank's array, by rank, on every rank (ChainerMN's ``comm.allgather``). Shapes
   may differ between ranks; dtypes must agree. Collective.
 
@@ -192,8 +180,7 @@ def allgather(x: Any, comm: Communicator) -> tuple[np.ndarray, ...]:
     ...     [r, r] for r in range(comm.size)]
     True
   """
-  check_communicator(comm, "allgather")
-  described = everyone(comm, ("allgather", None, transport.MAX_MESSAGE_BYTES,
+  described = everyone(comm, "allgather", ("allgather", None, transport.MAX_MESSAGE_BYTES,
                               array_signature(x)), "allgather's check of every rank's dtype")
   check_call(described, "allgather", comm.size)
   bodies = [d[3] for d in described]
@@ -232,7 +219,7 @@ def _check_parts(bodies: list[tuple], ranks: list[int], caller: str, size: int) 
   _same_dtype([s for r in ranks for s in bodies[r][1]], caller, "array part")
 
 
-def alltoall(xs: Any, comm: Communicator) -> tuple[np.ndarray, ...]:
+def alltoall(xs: Any, comm: Any) -> tuple[np.ndarray, ...]:
   """``xs[j]`` to rank ``j``; returns the parts meant for this rank, by source rank
   (ChainerMN's ``comm.alltoall``). `xs`: ``comm.size`` arrays (shapes may differ, one
   dtype) or an array whose first axis has length ``comm.size``. Collective.
@@ -243,9 +230,8 @@ def alltoall(xs: Any, comm: Communicator) -> tuple[np.ndarray, ...]:
     ...     [10 * r + comm.rank] * 2 for r in range(comm.size)]
     True
   """
-  check_communicator(comm, "alltoall")
   parts, body = _parts(xs, comm.size)
-  described = everyone(comm, ("alltoall", None, transport.MAX_MESSAGE_BYTES, body),
+  described = everyone(comm, "alltoall", ("alltoall", None, transport.MAX_MESSAGE_BYTES, body),
                        "alltoall's check of every rank's parts")
   check_call(described, "alltoall", comm.size)
   bodies = [d[3] for d in described]
@@ -258,7 +244,7 @@ def alltoall(xs: Any, comm: Communicator) -> tuple[np.ndarray, ...]:
   return tuple(_array(g, s[1], s[2]) for g, s in zip(got, mine))
 
 
-def scatter(xs: Any, comm: Communicator, root: int = 0) -> np.ndarray:
+def scatter(xs: Any, comm: Any, root: int = 0) -> np.ndarray:
   """Part ``j`` of `root`'s `xs` on rank ``j`` (ChainerMN's ``comm.scatter``). On `root`,
   `xs` is ``comm.size`` arrays (shapes may differ, one dtype) or an array whose first axis
   has length ``comm.size``; elsewhere it is ignored (pass None). Collective.
@@ -268,11 +254,11 @@ def scatter(xs: Any, comm: Communicator, root: int = 0) -> np.ndarray:
     >>> comm.scatter(xs, root=0).tolist() == [2 * comm.rank, 2 * comm.rank + 1]
     True
   """
-  check_communicator(comm, "scatter")
   is_root = describe_root(root) == ("int", comm.rank)
   parts, body = _parts(xs, comm.size) if is_root else (None, ("ignored",))
-  described = everyone(comm, ("scatter", describe_root(root), transport.MAX_MESSAGE_BYTES,
-                              body), "scatter's check of the root's parts")
+  described = everyone(comm, "scatter",
+                       ("scatter", describe_root(root), transport.MAX_MESSAGE_BYTES, body),
+                       "scatter's check of the root's parts")
   root = check_call(described, "scatter", comm.size)
   bodies = [d[3] for d in described]
   _check_parts(bodies, [root], "scatter", comm.size)

@@ -1,17 +1,9 @@
 """In-step collectives on pytrees: fuse leaves into few flat buffers, reduce each once.
 
-`allreduce_tree` runs *inside* a traced (jitted) step. It packs the gradient pytree into
-contiguous buffers of at most `default_bucket_bytes` per dtype (``bucket_bytes``) and issues
-one MPI allreduce per buffer, instead of one MPI call per leaf (161 calls for ResNet-50). Packing
-and unpacking are ordinary XLA ops that fuse with the surrounding step; the packed buffer is
-an intermediate, so the in-place MPI handler (`mnjax.comm._native`) reduces it where it lies. On a
-size-1 communicator no collective is traced at all, so single-process runs pay nothing.
-
-Which dtypes MPI can sum is `mnjax.comm._primitives`'s to say (`sum_dtype`): it has no
-16-bit float type, so half-precision *leaves* travel as float32 and are cast back here,
-while a half-precision *wire* (``wire_dtype``) is built from 16-bit moves with float32 sums
-(`mnjax.comm._wire`). Host-level transfers (initial parameters, metrics) live in
-`mnjax.comm._host`.
+`allreduce_tree` runs inside a jitted step: it packs the pytree into buffers of at most
+``bucket_bytes`` per dtype and issues one in-place MPI allreduce per buffer. On a size-1
+communicator nothing is traced. Half-precision leaves travel as float32; a half-precision
+wire (``wire_dtype``) is `mnjax.comm._instep._wire`'s.
 """
 
 from __future__ import annotations
@@ -25,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mnjax.comm import _primitives as mpi_ops
-from mnjax.comm import _recorder as recorder
-from mnjax.comm import _sequence as sequence
-from mnjax.comm import _wire as wire
-from mnjax.comm._buckets import (
+from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._instep import _primitives as mpi_ops
+from mnjax.comm._instep import _recorder as recorder
+from mnjax.comm._instep import _sequence as sequence
+from mnjax.comm._instep import _wire as wire
+from mnjax.comm._instep._buckets import (
   Bucket,
   check_bucket_bytes,
   check_float_leaves,
@@ -37,7 +30,6 @@ from mnjax.comm._buckets import (
   tree_buckets,
   unpack,
 )
-from mnjax.comm._communicator import Communicator, check_communicator
 
 __all__ = [
     "allreduce_tree", "buckets_leave_early", "completion_token", "leaves_early", "sum_buffer",
@@ -48,11 +40,8 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
                    bucket_bytes: int | str | None = "auto") -> Any:
   """Sums (or averages) every leaf of `tree` over all replicas; call inside a jitted step.
 
-  Leaves are packed into buffers (`plan_buckets`), each reduced once and unpacked to the
-  leaves' shapes and dtypes. MPI traffic uses `mnjax.comm._primitives` (no JAX effect, so the step
-  keeps JAX's fast asynchronous dispatch) on the in-step communicators; buffers are chained
-  through data dependencies so every rank issues them in one order. For the multi-device
-  kinds call it inside `mnjax.data_parallel` (the local axis must be bound).
+  Leaves are packed into buffers (`plan_buckets`), each reduced once, in one order on every
+  rank. For the multi-device kinds call it inside `mnjax.data_parallel`.
 
   Args:
     tree: pytree of float arrays (complex too without `wire_dtype`), the same structure on
@@ -60,11 +49,9 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
     comm: the `Communicator`.
     mean: divide the sum by the number of replicas (processes x local devices).
     wire_dtype: None (leaves travel in their own precision) or ``jnp.bfloat16`` /
-      ``jnp.float16``: cross-process traffic in 16 bits with float32 sums, error bound in
-      `mnjax.comm._wire`.
-    bucket_bytes: the largest buffer, in wire bytes (a larger leaf travels alone,
-      unpacked); ``"auto"``: the platform's default (`default_bucket_bytes`); None: one
-      buffer per dtype.
+      ``jnp.float16``: 16-bit traffic with float32 sums (`mnjax.comm.error_bound`).
+    bucket_bytes: the largest buffer, in wire bytes; ``"auto"``: the platform's default
+      (`default_bucket_bytes`); None: one buffer per dtype.
 
   Returns:
     A pytree like `tree` holding the global sum or mean.
@@ -84,19 +71,11 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   order, buckets = tree_buckets(tree, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
   leaves = [jnp.asarray(flat[i]) for i in order]  # Python floats too (a no-op on arrays)
   out: list[Any] = [None] * len(leaves)
-  # The first exchange comes after the last mnjax collective traced before it in this step
-  # (`mnjax.comm._sequence.ORDER`: SyncBatchNorm's backward ones), so every rank issues them
-  # in one order; without any, on a GPU it waits for its own leaves only, and the buckets of
-  # the last layers leave while the first layers' gradients are still computed
-  # (`leaves_early`). A chain link from another trace (SyncBatchNorm under remat) is not
-  # visible: then wait for every leaf, as on CPUs.
+  # Chain after the step's last collective; without one, wait for every leaf unless on GPU.
   previous = sequence.ORDER.last()
   if previous is None and (sequence.noted("SyncBatchNorm") or not leaves_early(comm)):
     previous = completion_token(leaves)
-  # With a 16-bit wire, values are divided by the replica count *before* they travel (so
-  # what travels sums to the mean: fp16's range), and where the whole reduction is the
-  # 16-bit exchange (no float32 local psum first) leaves are packed straight into the wire
-  # dtype: one pass over the gradients instead of two.
+  # 16-bit wire: scale before travel (fp16 range); pack straight to 16 bits when no local psum.
   half_pack = wire_dtype is not None and (comm.kind in ("flat", "xla") or (
       comm.kind == "single_node" and comm.size == 1))
   for k, bucket in enumerate(buckets):
@@ -120,9 +99,7 @@ def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, 
   """Reduces one bucket into `out` (at its leaves' positions); returns the chain's new link."""
   replicas = comm.num_replicas
   if _in_place(members, bucket, wire_dtype, comm):
-    # A leaf alone in its bucket is reduced where it lies, in its own shape: raveling it
-    # first makes XLA:CPU copy it into a fresh buffer and back around the in-place call
-    # (ResNet-50 per leaf: 0.5x raw MPI raveled; see `default_bucket_bytes`).
+    # In its own shape: raveling first makes XLA:CPU copy around the in-place call.
     (leaf,) = members
     previous = _REDUCERS[comm.kind](leaf, comm, None, previous)
     out[bucket.positions[0]] = previous / jnp.asarray(replicas, leaf.dtype) if mean else previous
@@ -133,8 +110,6 @@ def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, 
   else:
     buf = pack(members, wire_dtype if half_pack else bucket.dtype, scale=1.0 / replicas)
     post = None if mean else (lambda x: x.astype(jnp.float32) * replicas)
-  # `after`: each collective waits for the previous one, so every rank issues them in one
-  # order (XLA:CPU would otherwise run independent custom calls in any order).
   buf = _REDUCERS[comm.kind](buf, comm, wire_dtype, previous)
   for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
     out[i] = leaf
@@ -143,15 +118,7 @@ def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, 
 
 def leaves_early(comm: Communicator) -> bool:
   """Whether `allreduce_tree`'s first bucket leaves as soon as its own leaves are ready
-  (GPUs: the exchange overlaps the rest of the backward pass) instead of after every leaf.
-
-  Not on CPUs: there a rank's MPI call waits by polling a core its own backward pass needs
-  (one core per rank), and leaving early gained nothing: ``python -m lab.bench step``
-  (2 ranks, --bind core, side by side in one run, three runs of 2026-12-01) measured 0.887,
-  0.888, 0.888 of the no-communication throughput leaving early against 0.884, 0.930, 0.892
-  waiting. The order of the buckets (the last layers' first) is the same either way, and
-  with `mnjax.SyncBatchNorm` the first bucket follows its last backward collective on
-  every platform.
+  (GPUs), instead of after every leaf (CPUs, where polling MPI competes for the core).
 
   Example:
     >>> leaves_early(comm)   # this process's devices are CPUs
@@ -171,8 +138,7 @@ _EARLY = _Early()
 
 @contextlib.contextmanager
 def buckets_leave_early(value: bool) -> Iterator[None]:
-  """Steps traced inside the block decide `leaves_early` as `value` (for the benchmarks
-  and the tests that compare both on one machine).
+  """Steps traced inside the block decide `leaves_early` as `value` (benchmarks, tests).
 
   Example:
     >>> with buckets_leave_early(True):
@@ -201,13 +167,11 @@ def completion_token(leaves: list[Any]) -> jax.Array:
 def sum_buffer(buf: jax.Array, comm: Communicator, after: Any = None) -> jax.Array:
   """Sum of a 1-D buffer over every replica of `comm`, in `buf`'s dtype; call inside a step.
 
-  The building block under `allreduce_tree` (no packing, no mean), for layers that reduce
-  their own statistics (`mnjax.SyncBatchNorm`). `after`: an array this collective must wait
-  for, the previous collective's result, so that every rank issues collectives in one order.
-  Not differentiable by itself (wrap it in a `jax.custom_vjp`, as SyncBatchNorm does).
+  For layers that reduce their own statistics (`mnjax.SyncBatchNorm`). `after`: the previous
+  collective's result, which this one waits for. Not differentiable by itself.
 
   Example:
-    >>> total = jax.jit(lambda v: mnjax.comm._collectives.sum_buffer(v, comm))(jnp.ones(3))
+    >>> total = jax.jit(lambda v: mnjax.comm._instep._allreduce.sum_buffer(v, comm))(jnp.ones(3))
   """
   if comm.num_replicas == 1:
     return buf
@@ -215,11 +179,7 @@ def sum_buffer(buf: jax.Array, comm: Communicator, after: Any = None) -> jax.Arr
     return _REDUCERS[comm.kind](buf, comm, None, after)
 
 
-# Sum of a fused 1-D buffer over every replica, per communicator kind. The multi-device
-# kinds run inside `mnjax.data_parallel`'s shard_map, where ``comm.axis_name`` names the
-# local devices. MPI programs are picked per device with lax.cond/lax.switch on the axis
-# index: the communicator is a compile-time attribute of the custom call, the same on every
-# device of the SPMD program. Measured choice: docs/design/multi_device.md.
+# Sum of a fused 1-D buffer over every replica, per kind (docs/design/multi_device.md).
 
 
 def _mpi_sum(buf, mpi_comm, wire_dtype, after):

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mnjax.comm import _primitives as mpi_ops
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._instep import _primitives as mpi_ops
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Bucket", "bucket_bytes_from_mb", "check_bucket_bytes",
@@ -27,23 +27,14 @@ __all__ = [
 ]
 
 
-# The default bucket cap per platform (``bucket_bytes="auto"``), see `default_bucket_bytes`.
 DEFAULT_BUCKET_BYTES: dict[str, int] = {"cpu": 256 << 10, "gpu": 4 << 20}
 
 
 def default_bucket_bytes(comm: Communicator) -> int:
   """The bucket cap ``bucket_bytes="auto"`` gives on `comm`'s platform.
 
-  CPU, 256 KiB: fuse only small leaves, so that every larger leaf travels alone and is
-  reduced in place in its own shape (`allreduce_tree`). ``python -m lab.bench allreduce``
-  on ResNet-50's 161 leaves, 2 ranks (docs/design/allreduce.md): 16.8 ms, 2.48x raw MPI on
-  one fused buffer and 0.79x raw MPI in place per leaf; 64 KiB and 1 MiB caps within 6%,
-  the old 4 MiB 1.6x slower, one buffer 9x.
-  GPU, 4 MiB, from the cost model until a GPU measures it:
-  `lab.costmodel.step.best_bucket_bytes` for ResNet-50 on 8 and 1024 H200s (NDR),
-  ``flat`` and ``xla``, with an assumed 30 us per call (a stream synchronisation and host
-  staging in mpi4jax's CUDA handler), picks 4 MiB (tests/unit/test_costmodel.py checks that they
-  agree); the margins are small (under 0.5% of a 12 ms step between 1 and 16 MiB).
+  CPU: 256 KiB (only small leaves are fused; larger ones are reduced in place). GPU: 4 MiB,
+  the cost model's choice. Measurements: docs/design/allreduce.md.
 
   Example:
     >>> default_bucket_bytes(mnjax.create_communicator("flat"))   # on a CPU
@@ -66,11 +57,8 @@ def wire_dtype_of(dtype: Any) -> np.dtype:
 def check_float_leaves(tree: Any, caller: str, *, real: bool = False) -> None:
   """Raises a `TypeError` naming the first leaf of `tree` that is not a float array.
 
-  Gradients of integer or boolean leaves are not averaged (JAX gives them ``float0``);
-  they must not enter the allreduce. With ``real=True`` (a half-precision wire) complex
-  leaves are refused too. A Python number is judged by the dtype ``jax.jit`` gives it (a
-  float is float32, an int int32), so a tree is accepted or refused alike eagerly (e.g.
-  ``tx.init(params)``) and inside a trace.
+  With ``real=True`` (a half-precision wire) complex leaves are refused too. A Python number
+  is judged by the dtype ``jax.jit`` gives it, so eager and traced calls agree.
 
   Example:
     >>> check_float_leaves({"step": jnp.zeros((), jnp.int32)}, "my_fn")
@@ -187,10 +175,9 @@ def plan_buckets(leaves: list[Any], *, wire_dtype: np.dtype | None = None,
                  bucket_bytes: int | None = None) -> list[Bucket]:
   """How the leaves are fused: one bucket per dtype, or buckets of at most `bucket_bytes`.
 
-  With a half-precision `wire_dtype` every (real) leaf accumulates in float32. With
-  `bucket_bytes`, each dtype's leaves are taken in *reverse* tree order (for a sequential
-  model roughly the order backprop produces them, as in PyTorch DDP) and cut into buckets
-  whose wire size stays within the cap; a leaf larger than the cap gets a bucket of its own.
+  With a half-precision `wire_dtype` every leaf accumulates in float32. With `bucket_bytes`,
+  each dtype's leaves are taken in reverse order and cut into buckets within the cap; a leaf
+  larger than the cap gets a bucket of its own.
 
   Example:
     >>> plan_buckets([jnp.ones(4), jnp.ones(4), jnp.ones(4)], bucket_bytes=32)
@@ -219,14 +206,9 @@ def plan_buckets(leaves: list[Any], *, wire_dtype: np.dtype | None = None,
 def pack(leaves: list[Any], dtype: Any, scale: float | None = None) -> jax.Array:
   """Leaves raveled and cast to `dtype`, laid end to end in one 1-D buffer (traceable).
 
-  With `scale`, each leaf is multiplied by it in float32 (or wider) before the cast, in the
-  same pass.
-
-  32- and 64-bit buffers are written as a chain of `dynamic_update_slice` into a zero
-  buffer: XLA:CPU emits a many-operand `jnp.concatenate` as one fused loop that selects the
-  source operand per element (the digits CNN's 151k gradients: 580 us vs 200 us). 16-bit
-  buffers are concatenated: XLA:CPU does not update them in place (ResNet-50's 161 leaves
-  into bfloat16: 2.5 s with `dynamic_update_slice`, 64 ms concatenated).
+  With `scale`, each leaf is multiplied by it in float32 (or wider) before the cast. 32- and
+  64-bit buffers use a `dynamic_update_slice` chain, 16-bit ones a concatenate (see
+  docs/design/allreduce.md, Packing).
 
   Example:
     >>> pack([jnp.ones((2, 2)), jnp.zeros(3, jnp.bfloat16)], jnp.float32).shape
@@ -254,7 +236,7 @@ def pack(leaves: list[Any], dtype: Any, scale: float | None = None) -> jax.Array
 def unpack(buf: jax.Array, like: list[Any], post=None) -> list[jax.Array]:
   """Inverse of `pack`: slices of `buf` with the shapes and dtypes of the leaves in `like`.
 
-  `post`, if given, is applied to each slice before the cast (it fuses with the slice).
+  `post`, if given, is applied to each slice before the cast.
 
   Example:
     >>> leaves = [jnp.ones((2, 2)), jnp.zeros(3)]
@@ -288,12 +270,8 @@ def tree_buckets(tree: Any, *, wire_dtype: Any = None, bucket_bytes: int | None 
 
 
 def layer_order(paths: list[str]) -> list[int]:
-  """Leaf positions in the layers' order, as flax auto-names them in call order: paths
-  sorted with their numbers compared as numbers (``Dense_9`` before ``Dense_10``, where
-  the tree's own order puts ``Dense_10`` first). `plan_buckets` takes it backwards: the
-  output layer's gradients, which backprop finishes first, leave first.
-
-  The same on every rank (a function of the tree, which the pre-flight check compares).
+  """Leaf positions in layer order: paths sorted with numbers compared as numbers
+  (``Dense_9`` before ``Dense_10``). The same on every rank.
 
   Example:
     >>> layer_order(["['Dense_0']['kernel']", "['Dense_1']['kernel']",

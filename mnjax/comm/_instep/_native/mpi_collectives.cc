@@ -17,7 +17,7 @@
 // bytes, communicator, the tag its lowering passed, the step the last step mark set, entry
 // and exit on CLOCK_MONOTONIC) into a ring buffer that Python drains; disabled, a handler
 // pays one relaxed atomic load. The `_tagged` targets take one more attribute, `tag`
-// (mnjax.comm._recorder's id for "bucket k of the gradient allreduce", ...), and exist so
+// (mnjax.comm._instep._recorder's id for "bucket k of the gradient allreduce", ...), and exist so
 // that a step traced without a timeline lowers exactly as before.
 //
 // MPI handles arrive as int64 attributes (mpi4py's handle values), converted with memcpy so
@@ -46,11 +46,11 @@ std::atomic<int64_t> completed_allreduces{0};
 std::atomic<int64_t> entered_collectives{0};
 std::atomic<int64_t> completed_collectives{0};
 
-// One timeline event (mirrored by mnjax.comm._recorder.EVENT_DTYPE).
+// One timeline event (mirrored by mnjax.comm._instep._recorder.EVENT_DTYPE).
 struct Event {
   int64_t start_ns, end_ns, bytes, comm, tag, step, kind, published;
 };
-// Event kinds (names: mnjax.comm._recorder.NATIVE_KINDS).
+// Event kinds (names: mnjax.comm._instep._recorder.NATIVE_KINDS).
 enum Kind : int64_t { kAllreduce = 0, kAlltoall = 1, kAllgather = 2, kStepBegin = 3,
                       kStepEnd = 4, kOther = 5, kSend = 6, kRecv = 7, kBcast = 8, kGather = 9,
                       kScatter = 10, kReduce = 11 };

@@ -1,18 +1,10 @@
 """Bytes between ranks, in messages MPI can count: chunked point-to-point, bcast, alltoallv.
 
-MPI counts in C ``int``s: one call moves at most 2**31 - 1 elements, and MPI-3 libraries
-(Open MPI 4.1, which mnjax supports beside MPICH) have no large-count calls. A pickled
-object or a fused array buffer can be larger, so every payload here moves as raw bytes in
-pieces of at most `MAX_MESSAGE_BYTES` per call (counts and displacements alike). The number
-of pieces follows from sizes every rank already knows (the agreed descriptions of
-`mnjax.collectives._agreement`, or the header of a point-to-point message), so every rank
-issues the same number of calls.
-
-Point-to-point messages are a small pickled header (what follows: its kind, the sender's
-metadata, its size and the sender's piece size) sent synchronously, then the pieces. Both
-ends wait for the header departure-aware (`mnjax.comm._wait.wait`): a peer that finished its
-program is named instead of waited for. Everything travels on ``comm.mpi_comm``, the
-communicator of mnjax's host collectives, never on the in-step ones.
+MPI counts in C ``int``s and MPI-3 libraries have no large-count calls, so every payload
+moves as raw bytes in pieces of at most `MAX_MESSAGE_BYTES` per call. The number of pieces
+follows from sizes every rank already knows, so every rank issues the same number of calls.
+Point-to-point messages are a small pickled header sent synchronously, then the pieces; both
+ends wait departure-aware. Everything travels on ``comm.mpi_comm``.
 """
 
 from __future__ import annotations
@@ -23,18 +15,15 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mnjax.collectives._agreement import check_rank
-from mnjax.comm._communicator import Communicator
-from mnjax.comm._host import wait
+from mnjax.comm._host._agreement import check_rank
+from mnjax.comm._host._wait import wait
 
 __all__ = [
     "MAX_MESSAGE_BYTES", "bcast_bytes", "check_peer", "check_tag", "exchange_bytes",
     "pieces", "recv_message", "send_message",
 ]
 
-#: The most bytes one MPI call moves: MPI's int count limit. Tests lower it to exercise the
-#: chunking; the ranks compare it in every collective (a rank with another limit would
-#: issue another number of calls).
+#: The most bytes one MPI call moves (MPI's int count limit); tests lower it.
 MAX_MESSAGE_BYTES = 2**31 - 1
 
 
@@ -48,7 +37,7 @@ def pieces(nbytes: int, limit: int) -> list[slice]:
   return [slice(start, min(start + limit, nbytes)) for start in range(0, nbytes, limit)]
 
 
-def bcast_bytes(buf: np.ndarray, comm: Communicator, root: int, limit: int) -> np.ndarray:
+def bcast_bytes(buf: np.ndarray, comm: Any, root: int, limit: int) -> np.ndarray:
   """`root`'s bytes in `buf` (uint8, the same length on every rank), in place, in pieces.
 
   Example:
@@ -61,15 +50,13 @@ def bcast_bytes(buf: np.ndarray, comm: Communicator, root: int, limit: int) -> n
 
 
 def exchange_bytes(op: str, sends: Sequence[np.ndarray], recv_sizes: Sequence[int],
-                   comm: Communicator, max_part: int, limit: int, root: int = 0
+                   comm: Any, max_part: int, limit: int, root: int = 0
                    ) -> list[np.ndarray]:
   """The bytes from each rank (``recv_sizes[i]`` from rank ``i``; zeros where nothing comes).
 
   `op`: ``"alltoallv"`` (``sends[j]`` to rank ``j``), ``"allgatherv"`` (``sends[0]`` to
-  every rank) or ``"gatherv"`` (``sends[0]`` to `root`). `max_part`: the largest part any
-  rank sends (the same on every rank) fixes the number of rounds: each moves at most
-  ``limit // comm.size`` bytes of every part, so no count or displacement exceeds `limit`.
-  With one round (any payload below the limit) the parts are views of one received buffer.
+  every rank) or ``"gatherv"`` (``sends[0]`` to `root`). `max_part`, the largest part any
+  rank sends, fixes the number of rounds of at most ``limit // comm.size`` bytes per part.
 
   Example:
     >>> [b.tolist() for b in exchange_bytes("allgatherv", [np.ones(3, np.uint8)], [3] * comm.size,
@@ -91,8 +78,7 @@ def exchange_bytes(op: str, sends: Sequence[np.ndarray], recv_sizes: Sequence[in
       sbuf = np.concatenate([s[start:start + c] for s, c in zip(sends, scounts)])
       comm.mpi_comm.Alltoallv([sbuf, (scounts, _displacements(scounts)), MPI.BYTE],
                               received_here)
-    elif op == "allgatherv":  # as an Alltoallv of one buffer: MPICH's Allgatherv took
-      # 0.4-6.6 s for 25 MiB per rank here (2-3 ranks), its Alltoallv 0.08-0.13 s
+    elif op == "allgatherv":  # as Alltoallv: MPICH's Allgatherv was 5-50x slower here
       comm.mpi_comm.Alltoallv(
           [sends[0][start:start + scounts[0]], ([scounts[0]] * comm.size, [0] * comm.size),
            MPI.BYTE], received_here)
@@ -110,7 +96,7 @@ def _displacements(counts: Sequence[int]) -> list[int]:
   return [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
 
 
-def send_message(comm: Communicator, kind: str, meta: Any, payload: np.ndarray, dest: int,
+def send_message(comm: Any, kind: str, meta: Any, payload: np.ndarray, dest: int,
                  tag: int, what: str) -> None:
   """Sends ``(kind, meta)`` and the uint8 `payload` to `dest` (see `recv_message`).
 
@@ -140,7 +126,7 @@ class _Probe:
     return self.message is not None
 
 
-def recv_message(comm: Communicator, source: int, tag: int, what: str
+def recv_message(comm: Any, source: int, tag: int, what: str
                  ) -> tuple[str, Any, np.ndarray, int]:
   """``(kind, meta, payload, tag)`` of the next message from `source` with `tag`
   (``MPI.ANY_TAG``: any), as `send_message` sent it.
@@ -159,10 +145,8 @@ def recv_message(comm: Communicator, source: int, tag: int, what: str
   return kind, meta, payload, tag
 
 
-def check_peer(comm: Communicator, peer: Any, name: str, caller: str) -> int:
-  """`peer` as a rank of `comm` other than this one, or a `ValueError` saying what came.
-  Local (point-to-point has no collective round to raise everywhere: the rank that raises
-  ends the job through `mnjax.comm._failfast`, so its peer does not wait for it).
+def check_peer(comm: Any, peer: Any, name: str, caller: str) -> int:
+  """`peer` as a rank of `comm` other than this one, or a `ValueError` (local).
 
   Example:
     >>> check_peer(comm, comm.size, "dest", "send")

@@ -1,12 +1,8 @@
 """The tag an in-step exchange's sequence entry carries, naming its kind, peer and ranks.
 
-A model-parallel step's pairing check (`mnjax.guard._pairing`) reads, in each rank's
-collective sequence (`mnjax.comm._sequence`), which entries are `mnjax.functions` exchanges
-and which ranks take part: ``<mnjax.functions send peer=1 phase=forward group=0,1>`` at the
-end of the entry's text, peers and groups in ``MPI.COMM_WORLD`` ranks (so exchanges over
-sub-communicators pair up in a step checked over another communicator). The comm layer
-writes the tag (`entry`: the exchanges, and a gradient bucket over a sub-communicator); the
-guard layer parses it (`TAG`).
+E.g. ``<mnjax.functions send peer=1 phase=forward group=0,1>`` at the end of the entry's
+text, in ``MPI.COMM_WORLD`` ranks (so sub-communicator exchanges pair up). `entry` writes
+it; the pairing check (`mnjax.guard._pairing`) parses it with `TAG`.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """In-step reduce-scatter and all-gather of pytrees, sharded leaf by leaf (ZeRO-1's wire).
 
-`mnjax.shard_optimizer` needs the two halves of an allreduce separately: a reduce-scatter
-that leaves each rank with the global sum of *its* share of the gradients, and an all-gather
-that hands every rank every share of the updates. Both are built from the in-step primitives
-(`mnjax.comm._primitives`: ``alltoall`` and ``allgather``, no JAX effect), exactly as the
-16-bit wire builds its allreduce (`mnjax.comm._wire`): alltoall, then a local sum of the
-received rows in rank order, then allgather.
-
-**Layout: every leaf is split into** ``p`` **shares.** Leaf ``x`` of ``n`` elements is raveled,
-zero-padded to ``p * c`` with ``c = ceil(n / p)`` (`share_size`) and viewed as ``(p, c)``:
-row ``r`` is rank ``r``'s share (`shard_leaf` takes it). For the wire, the ``(p, c_i)``
-views of a bucket's leaves are laid side by side into one ``(p, sum c_i)`` buffer, so one
-alltoall moves the whole bucket (buckets as `mnjax.comm._buckets.plan_buckets` cuts
-them: the ``bucket_bytes`` cap of `allreduce_gradients`). Each rank sends and receives
-``(p - 1) / p`` of the buffer per half, the bytes of a ring allreduce in total.
-
-**Determinism.** The received rows are summed in rank order (``row 0 + row 1 + ...``) by the
-one rank that owns the share, and the all-gather copies bits: every rank gets the same bits
-of every share. With two ranks the sum is the one MPI's allreduce computes (``a + b`` is
-commutative); with three or more MPI may associate it differently (the last bit can differ
-from `mnjax.comm.allreduce_tree`'s).
-
-**16-bit wire.** With ``wire_dtype`` the values are scaled by ``1 / replicas`` and rounded
-to 16 bits before the alltoall and summed in float32 (`mnjax.comm._wire`'s steps 1-2); the
-share stays float32: one rounding instead of the allreduce's two, so the error is within
-`mnjax.comm.error_bound`. `allgather_tree` moves its values in their own dtype.
+For `mnjax.shard_optimizer`: `reduce_scatter_tree` is an alltoall plus a local sum of the
+received rows in rank order; `allgather_tree` an allgather. A leaf of ``n`` elements is
+raveled, zero-padded to ``p * c`` (``c = ceil(n / p)``, `share_size`) and viewed as
+``(p, c)``: row ``r`` is rank ``r``'s share. A bucket's views travel side by side in one
+buffer. Every rank gets the same bits of every share. With ``wire_dtype`` values are scaled,
+rounded to 16 bits and summed in float32 (one rounding). Design: docs/design/allreduce.md.
 """
 
 from __future__ import annotations
@@ -35,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mnjax.comm import _primitives as mpi_ops
-from mnjax.comm._buckets import Bucket, group_by_dtype, plan_buckets
-from mnjax.comm._collectives import completion_token
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._instep import _primitives as mpi_ops
+from mnjax.comm._instep._allreduce import completion_token
+from mnjax.comm._instep._buckets import Bucket, group_by_dtype, plan_buckets
 
 __all__ = ["allgather_tree", "reduce_scatter_tree", "shard_leaf", "share_size", "unshard_leaf"]
 
@@ -61,8 +42,8 @@ def _rows(leaf: Any, parts: int) -> jax.Array:
 
 
 def shard_leaf(leaf: Any, index: int, parts: int) -> jax.Array:
-  """Share `index` of `parts` of `leaf`: a 1-D array of ``ceil(n / parts)`` elements (the
-  last shares end in zero padding). Traceable; no communication.
+  """Share `index` of `parts` of `leaf`: a 1-D array of ``ceil(n / parts)`` elements,
+  zero-padded. Traceable; no communication.
 
   Example:
     >>> shard_leaf(jnp.arange(5.0), 1, 2).tolist()
@@ -88,16 +69,13 @@ def reduce_scatter_tree(tree: Any, comm: Communicator, *, mean: bool = True,
                         after: Any = None) -> tuple[Any, jax.Array | None]:
   """This rank's share (`shard_leaf`) of the global sum or mean of every leaf; in a step.
 
-  Arguments are checked by the caller (`mnjax.shard_optimizer`): float leaves, a ``flat``
-  communicator, a resolved `bucket_bytes` and `wire_dtype`.
-
   Returns:
     ``(shares, last)``: a tree like `tree` whose leaves are 1-D shares of ``ceil(n / p)``
     elements (in the leaf's dtype; float32 with a 16-bit wire), and the last collective's
     result, the `after` for the next collective (None on one rank).
 
   Example:
-    >>> from mnjax.comm import _scatter
+    >>> from mnjax.comm._instep import _scatter
     >>> f = lambda g: _scatter.reduce_scatter_tree(g, comm)[0]
     >>> jax.jit(f)({"w": jnp.ones(3)})["w"].shape == (-(-3 // comm.size),)
     True
@@ -150,7 +128,7 @@ def allgather_tree(shares: Any, shapes: Any, comm: Communicator, *,
     ``(tree, last)``: whole leaves in the shares' dtypes, and the last collective's result.
 
   Example:
-    >>> from mnjax.comm import _scatter
+    >>> from mnjax.comm._instep import _scatter
     >>> f = lambda g: _scatter.allgather_tree(_scatter.reduce_scatter_tree(g, comm)[0], g,
     ...                                       comm)[0]
     >>> jax.jit(f)({"w": jnp.ones((2, 3))})["w"].shape
@@ -177,8 +155,7 @@ def allgather_tree(shares: Any, shapes: Any, comm: Communicator, *,
 
 
 def _exact_buckets(leaves: list[Any], bucket_bytes: int | None) -> list[Bucket]:
-  """`plan_buckets` within each exact dtype: values move as raw words, so a 16-bit float
-  stays 16-bit (`plan_buckets` would put it with float32, the dtype it is summed in)."""
+  """`plan_buckets` within each exact dtype (values move as raw words: 16-bit stays 16-bit)."""
   buckets = []
   for group in group_by_dtype([x.dtype for x in leaves], key=np.dtype):
     members = [leaves[i] for i in group.positions]

@@ -1,14 +1,8 @@
 """What ranks compare about a tree before they exchange it, read locally from the tree.
 
-* `leaf_paths`: every leaf's name, the one mnjax's messages and digests use everywhere;
-* `tree_signature`: ``(path, shape, dtype)`` per leaf (the pre-flight check of
-  `mnjax.allreduce_gradients` and every host collective compare it);
-* `tree_containers`: the container type of every inner node (what the signature cannot
-  see: a list and a tuple give the same paths);
-* `shares_in`: where a tree holds `mnjax.shard_optimizer`'s state, which differs between
-  ranks by design.
-
-Nothing here communicates: the comparison across ranks is `mnjax.comm._agreement`'s.
+`leaf_paths` (leaf names), `tree_signature` (path, shape, dtype), `tree_containers`
+(container types, which paths cannot tell apart) and `shares_in` (`mnjax.shard_optimizer`
+state). Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -21,8 +15,7 @@ import numpy as np
 
 __all__ = ["leaf_paths", "shares_in", "tree_containers", "tree_signature"]
 
-#: The key `mnjax.optim.ShardedState` gives its one child (``.shard_<index>_of_<parts>``) so
-#: that tools for replicated trees can tell a rank's own share of the optimizer state.
+#: The key `mnjax.optim.ShardedState` gives its one child (``.shard_<index>_of_<parts>``).
 _SHARE_KEY = re.compile(r"\.shard_\d+_of_\d+")
 
 def leaf_paths(tree: Any) -> list[str]:
@@ -37,9 +30,8 @@ def leaf_paths(tree: Any) -> list[str]:
 
 
 def shares_in(tree: Any) -> list[str]:
-  """The paths of the `mnjax.shard_optimizer` states (`mnjax.optim.ShardedState`) in `tree`,
-  each ending in its share's key: this rank's own share of the optimizer state, different
-  on every rank by design.
+  """The paths of the `mnjax.shard_optimizer` states in `tree`, each ending in its share's
+  key (different on every rank by design).
 
   Example:
     >>> state = {"opt": mnjax.shard_optimizer(optax.adam(0.1), comm).init({"w": jnp.ones(3)})}
@@ -57,8 +49,7 @@ def shares_in(tree: Any) -> list[str]:
 def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
   """``(leaf path, shape, dtype)`` for every leaf of `tree`, in flattening order.
 
-  What ranks must agree on before they exchange a tree. Works on concrete arrays and on
-  tracers (shape and dtype are static).
+  Works on concrete arrays and on tracers.
 
   Example:
     >>> tree_signature({"w": jnp.zeros((2, 3))})
@@ -73,9 +64,8 @@ def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
 def tree_containers(tree: Any) -> tuple[tuple[str, str], ...]:
   """``(path, container type)`` for every inner node of `tree`, outermost first.
 
-  What `tree_signature` cannot see: a list and a tuple (or a dict and a flax ``FrozenDict``)
-  give the same leaf paths. Types are named by module (but builtins) and qualified name only,
-  so the result is the same on every rank for the same tree.
+  Tells apart what leaf paths cannot (a list from a tuple); types are named by module and
+  qualified name, so the result is the same on every rank.
 
   Example:
     >>> tree_containers({"b": [1, 2], "w": (3,)})

@@ -1,9 +1,7 @@
 """The departure-aware wait of every host round: a peer that finished is named, not waited for.
 
-A host collective or check completes its MPI request here (`wait`) instead of in MPI's
-``Wait``: while it polls, a rank that finished its program normally
-(`mnjax.comm._departures`) while the others still wait for it is a `RuntimeError` on each
-of them, naming it; with a timeout, a `TimeoutError`.
+`wait` polls the MPI request; a peer that finished its program meanwhile is a `RuntimeError`
+naming it; with a timeout, a `TimeoutError`.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from mnjax.comm import _departures as departures
-from mnjax.comm._communicator import Communicator
 
 __all__ = ["DEPARTURE_GRACE", "wait"]
 
@@ -22,7 +19,7 @@ __all__ = ["DEPARTURE_GRACE", "wait"]
 DEPARTURE_GRACE = 2.0
 
 
-def wait(comm: Communicator, request: Any, what: str, *, peers: Sequence[int] | None = None,
+def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = None,
          timeout: float | None = None, timeout_message: str = "") -> None:
   """Completes `request` (anything with MPI's ``Test()``) on ``comm.mpi_comm``; raises
   `RuntimeError` naming a rank of `peers` (default: any rank) that finished its program

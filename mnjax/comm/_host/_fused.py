@@ -1,9 +1,7 @@
 """Fused numpy buffers, one per dtype: one MPI call per dtype, not one per leaf.
 
-`fuse` lays arrays end to end in one new 1-D buffer, `split` cuts it back into views of
-their shapes, and `reduce_arrays` is the host reduction over ranks built on them (under the
-exact sums of `mnjax.comm._host.allreduce` and the averages of `allreduce_persistent`).
-Traffic is mpi4py on numpy buffers, on ``comm.mpi_comm`` (never the in-step communicators).
+`fuse` lays arrays end to end in one 1-D buffer, `split` cuts it back into views, and
+`reduce_arrays` is the host reduction over ``comm.mpi_comm`` built on them.
 """
 
 from __future__ import annotations
@@ -14,9 +12,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mnjax.comm import _recorder as recorder
-from mnjax.comm._buckets import group_by_dtype
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._instep import _recorder as recorder
+from mnjax.comm._instep._buckets import group_by_dtype
 
 __all__ = ["fuse", "reduce_arrays", "split"]
 

@@ -1,20 +1,11 @@
 """The in-step collectives a step issues, noted while it is traced (for the pre-flight check).
 
-Every rank must issue the same in-step collectives in the same order, with the same shapes,
-or a rank waits forever in a collective nobody else issued (or MPI mixes unrelated buffers).
-While a step is traced inside `recording` (`mnjax.data_parallel` opens it around the step),
-every mnjax collective of the step notes itself here: each `mnjax.SyncBatchNorm` layer's
-statistics and each bucket of `allreduce_tree` (so of `mnjax.allreduce_gradients`). The
-whole sequence is one fingerprint of the step, which `mnjax.guard._preflight` compares
-across ranks once per trace. Noting costs nothing at run time: it happens while tracing.
+While a step is traced inside `recording` (`mnjax.data_parallel` opens it), every mnjax
+collective of the step notes itself here; the sequence is the step's fingerprint, which the
+pre-flight check compares across ranks once per trace. Noting happens only while tracing.
 
-The same collectives must also *run* in that order, and XLA runs independent custom calls
-in any order. So they form one chain (`ORDER`): each takes the last one traced before it
-in the same computation as its ``after`` operand (a data dependency, nothing moves) and
-becomes the new last one: SyncBatchNorm's forward collectives in call order, its backward
-ones in reverse, then the gradient buckets. A gradient bucket therefore needs to wait only
-for its own leaves and the collective before it, not for the whole backward pass (what GPUs
-do: `mnjax.comm._collectives.leaves_early`).
+`ORDER` chains the collectives so they also run in that order: each takes the previous one's
+result as its ``after`` operand (docs/design/allreduce.md, section 2).
 """
 
 from __future__ import annotations
@@ -29,8 +20,8 @@ import jax.numpy as jnp
 from jax.extend import core as _jax_core  # the trace identity that scopes the order chain
 from mpi4py import MPI
 
-from mnjax.comm import _entry_tag as entry_tag
-from mnjax.comm._compat import usable_here
+from mnjax.comm._instep import _entry_tag as entry_tag
+from mnjax.comm._instep._compat import usable_here
 
 __all__ = [
     "ORDER", "current_recording", "enclosing", "enclosing_options", "note_collective", "noted",
@@ -52,10 +43,8 @@ def note_collective(what: str, shape: Any, dtype: Any, *, over: Any = None) -> N
   """Notes an in-step collective being traced (`what`: e.g. the layer's path) in every open
   `recording`; nothing when none is open.
 
-  `over`: the MPI communicator the collective runs over, when it may be a part of the job
-  (a sub-communicator): the entry then names its ``MPI.COMM_WORLD`` ranks (the tag of
-  `mnjax.comm._entry_tag.entry`), so that a model-parallel step's check pairs it over those
-  ranks, not over every rank it checks (data x model parallelism in one checked step).
+  `over`: the MPI communicator it runs over; for a sub-communicator the entry names its
+  ``MPI.COMM_WORLD`` ranks, so the check pairs it over those ranks only.
 
   Example:
     >>> with recording() as log:
@@ -124,8 +113,7 @@ def noted(prefix: str) -> bool:
 class _OrderChain(threading.local):
   """The last mnjax in-step collective of the computation being traced (per thread).
 
-  A value left over from another trace (a previous step, an inner ``remat`` or ``scan``)
-  is never used: `last` is then None and `take` a constant.
+  A value left over from another trace is never used: `last` is then None.
 
   Example:
     >>> def step(x):
@@ -157,11 +145,8 @@ class _OrderChain(threading.local):
     self._last = value
 
   def reachable(self) -> jax.Array | None:
-    """The last link if the current trace can use it, whichever trace put it (one enclosing
-    this one: the step's own trace seen from under ``jax.grad``; a finished ``jax.vjp``'s
-    link is used by its primal value), else None. For
-    `mnjax.functions`, whose exchanges are issued from the step's trace and from the
-    ``custom_vjp`` rules of the traces ``jax.grad`` opens inside it."""
+    """The last link if the current trace can use it (also from an enclosing trace), else
+    None; for `mnjax.functions`' ``custom_vjp`` rules."""
     return usable_here(self._last)
 
   def stale(self) -> jax.Array | None:
@@ -184,11 +169,8 @@ _ENCLOSING = _Enclosing()
 
 @contextlib.contextmanager
 def enclosing(what: str, options: dict) -> Iterator[None]:
-  """Marks an inner transformation traced on behalf of `what` with `options` (e.g.
-  `mnjax.accumulate_gradients`' ``every_k``): the pre-flight checks of mnjax's collectives
-  traced inside compare these too, so a rank with another accumulation period is named
-  before the ranks issue different numbers of collectives (a hang), also in a user's own
-  ``jax.jit`` step, which no `mnjax.data_parallel` program check sees.
+  """Marks an inner transformation traced for `what` with `options` (e.g. ``every_k``); the
+  pre-flight checks of collectives traced inside compare them across ranks too.
 
   Example:
     >>> with enclosing("accumulate_gradients", {"every_k": 4}):
@@ -221,10 +203,8 @@ _FIRST_DEVICE = _FirstDevice()
 
 @contextlib.contextmanager
 def state_from_first_device() -> Iterator[None]:
-  """Marks a step traced where replicated outputs come back from the first local device only
-  (`mnjax.data_parallel` for the ``xla`` kind with several local devices per process): state
-  that differs per device, such as `mnjax.accumulate_gradients`' partial sums, would be lost
-  between steps, and such transformations refuse it (`per_device_state_kept`).
+  """Marks a step whose replicated outputs come back from the first local device only (``xla``
+  kind, several devices); transformations with per-device state refuse it.
 
   Example:
     >>> with state_from_first_device():

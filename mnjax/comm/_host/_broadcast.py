@@ -1,23 +1,9 @@
 """Host-level collectives on pytrees, outside any trace: broadcast, exact sums, averages.
 
-`broadcast` (initial parameters, optimizer state, a restored checkpoint), `allreduce`
-(exact sums: integers as int64, floats as float64; under `mnjax.allreduce_metrics` and
-`mnjax.mean_metrics`) and `allreduce_persistent` (averaged running statistics), with the
-check that a tree's leaves are numbers (`check_numbers`). Each one first runs the agreement
-round of `mnjax.comm._agreement` (`check_same_tree`: the tree's containers, structure,
-shapes and dtypes, and the call's arguments, compared on every rank, so a wrong tree raises
-the same `ValueError` on every rank instead of corrupting memory or hanging), then moves
-fused numpy buffers, one per dtype (`mnjax.comm._fused`). Per-leaf digests (replica
-consensus, checkpoint verification) are in `mnjax.comm._digest`.
-
-The pieces every host collective shares are re-exported here, where the other packages
-import them: the tree signature (`mnjax.comm._signature`), the agreement round
-(`mnjax.comm._agreement`), the departure-aware wait (`mnjax.comm._wait`) and the fused
-buffers (`mnjax.comm._fused`).
-
-Traffic is mpi4py on numpy buffers (mpi4py types them itself: raw bytes for `broadcast`),
-on ``comm.mpi_comm``, never on the in-step communicators (see `mnjax.comm._primitives`): a
-host collective issued while a step still runs asynchronously is never matched with it.
+`broadcast`, `allreduce` (exact sums: integers as int64, floats as float64) and
+`allreduce_persistent` (averaged running statistics). Each first runs the agreement round
+(`check_same_tree`), so a wrong tree raises the same `ValueError` on every rank, then moves
+fused numpy buffers, one per dtype, on ``comm.mpi_comm`` (never the in-step communicators).
 """
 
 from __future__ import annotations
@@ -29,19 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mnjax.comm import _recorder as recorder
-from mnjax.comm._agreement import check_same_tree, gather_if_different
-from mnjax.comm._buckets import group_by_dtype
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.comm._fused import fuse, reduce_arrays, split
-from mnjax.comm._signature import leaf_paths, shares_in, tree_containers, tree_signature
-from mnjax.comm._wait import wait
+from mnjax.comm._host._agreement import check_same_tree, gather_if_different
+from mnjax.comm._host._fused import fuse, reduce_arrays, split
+from mnjax.comm._host._signature import leaf_paths, shares_in
+from mnjax.comm._instep import _recorder as recorder
+from mnjax.comm._instep._buckets import group_by_dtype
 
-__all__ = [
-    "allreduce", "allreduce_persistent", "broadcast", "check_numbers", "check_same_tree",
-    "fuse", "gather_if_different", "is_number", "leaf_paths", "reduce_arrays", "shares_in",
-    "split", "tree_containers", "tree_signature", "wait",
-]
+__all__ = ["allreduce", "allreduce_persistent", "broadcast", "check_numbers", "is_number"]
 
 
 def is_number(dtype: Any) -> bool:
@@ -52,8 +33,7 @@ def is_number(dtype: Any) -> bool:
 
 def check_numbers(tree: Any, caller: str, *, floats_only: bool = False) -> None:
   """Raises `TypeError` naming the first leaf of `tree` that is not a number (or, with
-  `floats_only`, not a real float). Call it after `check_same_tree`, so that every rank
-  raises.
+  `floats_only`, not a real float). Call it after `check_same_tree`.
 
   Example:
     >>> check_numbers({"name": np.asarray("resnet")}, "allreduce_metrics")
@@ -72,7 +52,7 @@ def check_numbers(tree: Any, caller: str, *, floats_only: bool = False) -> None:
 
 def _sum_dtype(dtype: np.dtype) -> np.dtype:
   """Exact host sums: integers and booleans in int64, floats in float64, complex in
-  complex128; anything else stays itself (and `check_numbers` refuses it)."""
+  complex128; anything else stays itself."""
   if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer):
     return np.dtype(np.int64)
   if jnp.issubdtype(dtype, jnp.number):
@@ -85,9 +65,8 @@ def allreduce(tree: Any, comm: Communicator, *, caller: str = "allreduce",
   """The sum over all ranks of every leaf of `tree`, exactly: integers and booleans as
   int64, floats as float64 (16-bit ones too), complex as complex128.
 
-  Host-level and collective: call it on every rank, outside `jax.jit`. The structure,
-  shapes and kinds of the leaves are checked on every rank first (`check_same_tree`), then
-  that they are numbers (`check_numbers`).
+  Host-level and collective: call it on every rank, outside `jax.jit`; the trees are
+  checked on every rank first.
 
   Args:
     tree: pytree of scalars or arrays (jax arrays are fetched to the host).
@@ -116,13 +95,9 @@ def allreduce(tree: Any, comm: Communicator, *, caller: str = "allreduce",
 def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
   """Returns `root`'s copy of `tree` on every rank (host-level; call outside `jax.jit`).
 
-  Use it once at start-up so every replica begins from identical parameters and optimizer
-  state. Every rank passes a tree of the same structure, shapes and dtypes (e.g. parameters
-  initialised from any seed) with the same containers (a list everywhere, not a tuple on
-  some rank), and the same `root`; otherwise a `ValueError` naming the ranks and the first
-  difference is raised on every rank and nothing is transferred. A tree holding
-  `mnjax.shard_optimizer`'s state is refused (each rank's share differs by design):
-  broadcast the parameters and build that state from them on every rank.
+  Every rank passes a tree of the same containers, structure, shapes and dtypes, and the
+  same `root`; otherwise a `ValueError` naming the ranks is raised on every rank and nothing
+  moves. A tree holding `mnjax.shard_optimizer`'s state is refused.
 
   Args:
     tree: pytree of arrays (jax or numpy) or scalars.
@@ -155,8 +130,7 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
       0 <= root < comm.size)
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   arrays = [np.asarray(leaf) for leaf in leaves] if comm.size > 1 else leaves
-  # One round checks the root and the tree: a rank with another root would wait in its own
-  # Bcast (a hang) or take another rank's bytes (a silent wrong result).
+  # One round checks root and tree: another root would hang or take another rank's bytes.
   check_same_tree(jax.tree_util.tree_unflatten(treedef, arrays), comm, "broadcast",
                   root=int(root) if valid_root else 0,
                   arguments={"root": int(root) if valid_root else root})
@@ -185,18 +159,10 @@ def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
   """The mean over ranks of every float leaf of `tree` (ChainerMN's ``AllreducePersistent``);
   integer and bool leaves pass through unchanged, checked to be equal on every rank.
 
-  For running statistics of per-rank ``nn.BatchNorm`` layers (which drift apart across
-  ranks): call it on the ``batch_stats`` collection before evaluating or saving, so every
-  rank holds the same averaged statistics. Host-level and collective (call on every rank);
-  the tree's structure, shapes and dtypes are checked on every rank first, and a mismatch
-  raises the same error everywhere. Sums run in float64; each leaf keeps its dtype, and jax
-  arrays come back as jax arrays.
-
-  Integer and bool leaves (counters such as ``num_batches_tracked``) are not averaged, as
-  ChainerMN skips integer persistents; but where they differ between ranks, a rank-0
-  checkpoint or evaluation would silently use rank 0's: one more round (a 16-byte hash of
-  their values, only when the tree has such leaves) raises a `ValueError` on every rank
-  naming the first leaf that differs, before any value is averaged.
+  For per-rank ``nn.BatchNorm`` statistics, before evaluating or saving. Host-level and
+  collective; trees are checked on every rank first. Sums run in float64; each leaf keeps
+  its dtype. Integer and bool leaves that differ between ranks raise a `ValueError` on
+  every rank naming the first one.
 
   Example:
     >>> stats = {"mean": jnp.full(2, float(comm.rank)), "count": np.int32(7)}  # per rank
@@ -229,14 +195,14 @@ def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
 
 def _check_equal_leaves(named: list[tuple[str, np.ndarray]], comm: Communicator,
                         caller: str) -> None:
-  """Raises the same `ValueError` on every rank unless every rank holds equal values in
-  these ``(path, array)`` leaves (one hash round; the digests travel only on a mismatch)."""
+  """Raises the same `ValueError` on every rank unless all hold equal ``(path, array)``
+  leaves."""
   digests = tuple(hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=8).hexdigest()
                   for _, a in named)
   shown = tuple(a.tolist() if a.size <= 4 else f"{a.dtype}{list(a.shape)} hashing to {d}"
                 for (_, a), d in zip(named, digests))
-  everyone = gather_if_different(comm, (digests, shown), what=f"{caller}'s check of its"
-                                 " integer leaves")
+  everyone = gather_if_different(comm, f"{caller}'s integer leaves", (digests, shown),
+                                 what=f"{caller}'s check of its integer leaves")
   if everyone is None:
     return
   i = next(i for i in range(len(named)) if len({d[i] for d, _ in everyone}) > 1)

@@ -1,15 +1,10 @@
 """Host-side collectives on picklable objects (ChainerMN's ``comm.send_obj``, ``bcast_obj``,
 ``gather_obj``, ``allreduce_obj``).
 
-For what is not an array: a configuration, a vocabulary, per-rank evaluation records. Each
-object is pickled (highest protocol) and moves as bytes in pieces MPI can count
-(`mnjax.collectives._transport`): an object above MPI's 2**31 - 1 bytes travels whole, where
-mpi4py's own pickled calls fail on MPI-3 libraries (ChainerMN chunks its ``bcast_obj`` for
-this reason; here every object collective does).
-
-The collectives first agree on the operation, the root and every object's pickled size
-(`mnjax.collectives._agreement`): another root, or an object that does not pickle on some
-rank, is the same `ValueError` on every rank, before any byte moves.
+Each object is pickled and moves as bytes in pieces MPI can count, so objects above 2**31 - 1
+bytes travel too. The collectives first agree on the operation, the root and every object's
+pickled size: a mismatch, or an object that does not pickle, is the same `ValueError` on
+every rank before any byte moves.
 """
 
 from __future__ import annotations
@@ -22,9 +17,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mnjax.collectives import _transport as transport
-from mnjax.collectives._agreement import check_call, describe_root, everyone, ranks_text
-from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._host import _transport as transport
+from mnjax.comm._host._agreement import check_call, describe_root, everyone, ranks_text
 
 __all__ = ["allreduce_obj", "bcast_obj", "gather_obj", "recv_obj", "send_obj"]
 
@@ -46,9 +40,9 @@ def _check_pickled(bodies: list[tuple], ranks: list[int], caller: str) -> None:
                      " must be picklable. Nothing was exchanged.")
 
 
-def send_obj(obj: Any, comm: Communicator, dest: int, tag: int = 0) -> None:
-  """Sends the picklable `obj` to rank `dest` (ChainerMN's ``comm.send_obj``), which receives
-  it with `recv_obj`. Blocking: returns once `dest` has begun receiving.
+def send_obj(obj: Any, comm: Any, dest: int, tag: int = 0) -> None:
+  """Sends the picklable `obj` to rank `dest` (received with `recv_obj`); blocks until
+  `dest` begins receiving.
 
   Example:
     >>> if comm.size > 1 and comm.rank == 0:
@@ -56,7 +50,6 @@ def send_obj(obj: Any, comm: Communicator, dest: int, tag: int = 0) -> None:
     >>> if comm.size > 1 and comm.rank == 1:
     ...   vocab = comm.recv_obj(source=0)["vocab"]
   """
-  check_communicator(comm, "send_obj")
   tag = transport.check_tag(tag, "send_obj")
   dest = transport.check_peer(comm, dest, "dest", "send_obj")
   payload, body = _pickled(obj)
@@ -65,14 +58,13 @@ def send_obj(obj: Any, comm: Communicator, dest: int, tag: int = 0) -> None:
   transport.send_message(comm, "object", None, payload, dest, tag, "send_obj")
 
 
-def recv_obj(comm: Communicator, source: int, tag: int | None = None) -> Any:
+def recv_obj(comm: Any, source: int, tag: int | None = None) -> Any:
   """The object rank `source` sent with `send_obj` (with `tag`; None: any tag, as ChainerMN).
 
   Example:
     >>> if comm.size > 1 and comm.rank == 1:
-    ...   obj = mnjax.collectives.recv_obj(comm, source=0)   # doctest: +SKIP
+    ...   obj = comm.recv_obj(source=0)                     # doctest: +SKIP
   """
-  check_communicator(comm, "recv_obj")
   tag = MPI.ANY_TAG if tag is None else transport.check_tag(tag, "recv_obj")
   source = transport.check_peer(comm, source, "source", "recv_obj")
   kind, _, payload, got = transport.recv_message(comm, source, tag, "recv_obj")
@@ -82,21 +74,19 @@ def recv_obj(comm: Communicator, source: int, tag: int | None = None) -> Any:
   return pickle.loads(payload.tobytes())
 
 
-def bcast_obj(obj: Any, comm: Communicator, root: int = 0) -> Any:
-  """`root`'s picklable `obj` on every rank (ChainerMN's ``comm.bcast_obj``); the other
-  ranks' `obj` is ignored (pass None). Any size: it moves in pieces MPI can count.
-  Collective.
+def bcast_obj(obj: Any, comm: Any, root: int = 0) -> Any:
+  """`root`'s picklable `obj` on every rank (the others pass None), any size. Collective.
 
   Example:
     >>> config = {"lr": 0.1} if comm.rank == 0 else None
     >>> comm.bcast_obj(config, root=0)
     {'lr': 0.1}
   """
-  check_communicator(comm, "bcast_obj")
   is_root = describe_root(root) == ("int", comm.rank)
   payload, body = _pickled(obj) if is_root else (None, ("ignored",))
-  described = everyone(comm, ("bcast_obj", describe_root(root), transport.MAX_MESSAGE_BYTES,
-                              body), "bcast_obj's check of the root and its object")
+  described = everyone(comm, "bcast_obj",
+                       ("bcast_obj", describe_root(root), transport.MAX_MESSAGE_BYTES, body),
+                       "bcast_obj's check of the root and its object")
   root = check_call(described, "bcast_obj", comm.size)
   bodies = [d[3] for d in described]
   _check_pickled(bodies, [root], "bcast_obj")
@@ -107,11 +97,11 @@ def bcast_obj(obj: Any, comm: Communicator, root: int = 0) -> Any:
   return obj if comm.rank == root else pickle.loads(buf.tobytes())
 
 
-def _allgathered(obj: Any, comm: Communicator, caller: str, root: int | None) -> list | None:
+def _allgathered(obj: Any, comm: Any, caller: str, root: int | None) -> list | None:
   """Every rank's pickled `obj` (unpickled), by rank: on every rank (`root` None) or on
   `root` only (None elsewhere)."""
   payload, body = _pickled(obj)
-  described = everyone(comm, (caller, None if root is None else describe_root(root),
+  described = everyone(comm, caller, (caller, None if root is None else describe_root(root),
                               transport.MAX_MESSAGE_BYTES, body),
                        f"{caller}'s check of every rank's object")
   root = check_call(described, caller, comm.size)
@@ -127,7 +117,7 @@ def _allgathered(obj: Any, comm: Communicator, caller: str, root: int | None) ->
   return [pickle.loads(g.tobytes()) for g in got] if receives else None
 
 
-def gather_obj(obj: Any, comm: Communicator, root: int = 0) -> list | None:
+def gather_obj(obj: Any, comm: Any, root: int = 0) -> list | None:
   """Every rank's picklable `obj`, in a list by rank, on `root` (None elsewhere; ChainerMN's
   ``comm.gather_obj``). Collective.
 
@@ -136,15 +126,12 @@ def gather_obj(obj: Any, comm: Communicator, root: int = 0) -> list | None:
     >>> got if comm.rank == 0 else [{"rank": 0}]
     [{'rank': 0}]
   """
-  check_communicator(comm, "gather_obj")
   return _allgathered(obj, comm, "gather_obj", root)
 
 
-def allreduce_obj(obj: Any, comm: Communicator) -> Any:
-  """The sum (``+``, in rank order) of every rank's picklable `obj`, on every rank
-  (ChainerMN's ``comm.allreduce_obj``, MPI's SUM on objects): numbers, arrays, lists to
-  concatenate, `collections.Counter`s. Every rank adds the same values in the same order, so
-  every rank gets the same result (or the same error). Collective.
+def allreduce_obj(obj: Any, comm: Any) -> Any:
+  """The sum (``+``, in rank order) of every rank's picklable `obj`, on every rank: numbers,
+  arrays, lists, `collections.Counter`s. The same result (or error) everywhere. Collective.
 
   Example:
     >>> comm.allreduce_obj(1) == comm.size
@@ -152,5 +139,4 @@ def allreduce_obj(obj: Any, comm: Communicator) -> Any:
     >>> comm.allreduce_obj([comm.rank]) == list(range(comm.size))
     True
   """
-  check_communicator(comm, "allreduce_obj")
   return functools.reduce(operator.add, _allgathered(obj, comm, "allreduce_obj", None))

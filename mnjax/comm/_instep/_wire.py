@@ -1,25 +1,12 @@
 """Half precision on the wire: ChainerMN's ``allreduce_grad_dtype``, Horovod's fp16 compression.
 
-MPI has no 16-bit float type (mpi4jax refuses ``float16``/``bfloat16``), and summing in 16
-bits would lose more than it needs to. So a half-precision allreduce is built from moves that
-carry raw 16-bit words, with the arithmetic in float32:
+MPI has no 16-bit float type, so the allreduce moves raw 16-bit words with float32 arithmetic:
+(1) scale by ``1/replicas`` and round to the wire dtype while packing, so what travels sums
+to the mean; (2) an alltoall, each rank summing the ``p`` copies of its chunk in float32;
+(3) round and allgather, widening while unpacking. NaN and Inf stay so; a finite value beyond
+fp16's range becomes Inf.
 
-1. scale by ``1/replicas`` in float32 (so the *sum* of what travels is the mean: fp16's
-   range, max 65504, is then exceeded only where the mean does, or one replica's gradient
-   exceeds ``65504 p``; a plain fp16 sum would overflow at ``65504`` summed) and round to
-   the wire dtype, in the same pass that packs the gradients (`mnjax.comm._buckets.pack`);
-2. reduce-scatter as an **alltoall**: chunk ``j`` goes to rank ``j``; each rank receives the
-   ``p`` copies of its own chunk and sums them **in float32**;
-3. round the summed chunk to the wire dtype and **allgather** it; widen back to float32
-   while unpacking. MPI moves the 16-bit values as raw ``uint16`` words.
-
-Each rank sends and receives ``2 (p-1)/p`` of the buffer, like a ring allreduce, in half the
-bytes. NaN and Inf stay NaN and Inf (rounding, float32 sums and widening never make them
-finite); a finite value beyond fp16's range becomes Inf, loudly, not a clipped number.
-
-Error bound, per element, for the mean ``m = sum_i x_i / p`` of ``p`` replicas (proved by
-two roundings to the wire dtype, each with relative error <= ``u``, around a float32 sum;
-`error_bound` computes it and the tests check it):
+Error bound per element for the mean ``m = sum_i x_i / p`` (`error_bound`):
 
     |computed - m| <= (2 u + p 2^-24) * (sum_i |x_i|) / p + (p + 1) * eta
 
@@ -49,10 +36,8 @@ _HALF_SUBNORMAL_STEP = {np.dtype(jnp.bfloat16): 2.0**-134, np.dtype(jnp.float16)
 def check_wire_dtype(wire_dtype: Any, caller: str) -> np.dtype | None:
   """`wire_dtype` as a numpy dtype, or None for full precision, or a ValueError.
 
-  None, float32 and float64 mean full precision: every leaf travels and is summed in its
-  own dtype. float64 is ChainerMN's ``allreduce_grad_dtype=float64`` for a float64 model,
-  and needs ``jax_enable_x64`` (without it JAX has no float64 gradients to send); a float32
-  leaf is not widened for the trip (each of its sums is rounded once to float32 either way).
+  None, float32 and float64 mean full precision (every leaf in its own dtype); float64 needs
+  ``jax_enable_x64``.
 
   Example:
     >>> check_wire_dtype(jnp.bfloat16, "allreduce_gradients")
@@ -119,16 +104,11 @@ def half_allreduce(
 
   `alltoall` maps a ``(parts, c)`` array of `wire_dtype` to the ``(parts, c)`` array of
   chunks received from each rank; `allgather` maps ``(c,)`` to ``(parts, c)``. They move
-  raw 16-bit words. The caller scales `buf` beforehand (see the module docstring).
-
-  Written for XLA:CPU's memory traffic (each pass over a 102 MB buffer costs ~5-10 ms
-  here): callers pack straight into the wire dtype when they can (the cast is then a
-  no-op) and widen while unpacking; the float32 sum is an elementwise chain of row adds (a
-  ``jnp.sum`` over the leading axis compiled to a reduction 5x slower); padding is skipped
-  when `parts` divides the length.
+  raw 16-bit words. The caller scales `buf` beforehand. The float32 sum is a chain of row
+  adds (faster than ``jnp.sum`` on XLA:CPU, docs/design/allreduce.md).
 
   Example:
-    >>> from mnjax.comm import _primitives as mpi
+    >>> from mnjax.comm._instep import _primitives as mpi
     >>> c = comm.device_comm
     >>> total = jax.jit(lambda buf: half_allreduce(buf, jnp.bfloat16, comm.size,
     ...     lambda x: mpi.alltoall(x, c), lambda x: mpi.allgather(x, c)))(jnp.full(5, 1.5))

@@ -1,38 +1,11 @@
 """MPI collectives as JAX primitives without effects: allreduce, alltoall, allgather.
 
-Why this exists: every mpi4jax primitive carries an *ordered effect*. A jitted function with
-an ordered effect leaves JAX's C++ fast dispatch path and runs synchronously (each call
-waits for the previous one's token). Measured here on the digits CNN train step (1 CPU
-thread, 32 images): 6.1 ms plain, 9.0 ms with one mpi4jax allreduce on ``COMM_SELF`` — the
-MPI call itself takes ~0.2 ms; the rest is dispatch. A data-parallel step therefore lost
-~35% of its throughput before any byte moved.
-
-The primitives here have no effect. They lower to side-effecting custom calls (so XLA never
-removes or merges them): on CPU to mnjax's own handlers (`mnjax.comm._native`: allreduce in place,
-no fresh result buffer and no copy), on GPU to the handlers mpi4jax registers, with a
-fresh token. Jitted steps keep the fast path and asynchronous dispatch. What the ordered
-effect used to guarantee is guaranteed instead by construction:
-
-* within one computation, each collective takes an ``after`` operand: the previous
-  collective's result (`mnjax.comm._collectives` threads it). On CPU this is a data dependency
-  the handler ignores but XLA must respect (its runtime otherwise runs independent
-  collectives concurrently, in any order); on GPU the operand's first element is
-  recomputed from it (`_tie`), so XLA:GPU's scheduler (which may differ per rank:
-  autotuning runs per process) cannot reorder them either;
-* across computations, one device executes its programs in dispatch order, and every rank
-  dispatches the same steps in the same order (SPMD);
-* host-level mpi4py traffic (`broadcast`, `allreduce_metrics`) uses a *different* cloned
-  communicator from in-step traffic (see `Communicator.device_comm`), so a host collective
-  issued while a step is still running asynchronously can never be matched with it.
-
-This is also the one place that maps numpy dtypes to MPI datatypes (`mpi_datatype`) and
-knows which ones MPI cannot sum (`NO_MPI_DATATYPE`, `sum_dtype`); `mnjax.comm._collectives`
-and `mnjax.comm._wire` build on it. (Host collectives hand numpy buffers to mpi4py, which
-types them itself: `mnjax.comm._host`.)
-
-The GPU path depends on mpi4jax's FFI handler names and attributes, pinned in
-pyproject.toml (mpi4jax==0.9.1.post2), and on its CUDA extension and copy mode, which
-`mnjax.comm._cuda_mpi` checks and sets explicitly.
+Unlike mpi4jax's, these primitives carry no ordered effect, so jitted steps keep JAX's fast
+dispatch path. They lower to side-effecting custom calls: on CPU to mnjax's own handlers
+(`mnjax.comm._instep._native`, allreduce in place), on GPU to mpi4jax's (pinned in
+pyproject.toml). Each takes an ``after`` operand, the previous collective's result, so every
+rank runs them in one order (on GPU via `_tie`). The one numpy-to-MPI dtype mapping lives
+here (`mpi_datatype`, `sum_dtype`). Rationale: docs/design/overview.md, docs/design/gpu.md.
 """
 
 from __future__ import annotations
@@ -48,20 +21,17 @@ from jax.interpreters import ad, mlir
 from mpi4py import MPI
 
 from mnjax.comm import _cuda_mpi as cuda_mpi
-from mnjax.comm import _native as native
-from mnjax.comm import _recorder as recorder
-from mnjax.comm._compat import abstract_token, to_dtype_handle, to_mpi_handle
+from mnjax.comm._instep import _native as native
+from mnjax.comm._instep import _recorder as recorder
+from mnjax.comm._instep._compat import abstract_token, to_dtype_handle, to_mpi_handle
 
 __all__ = [
     "NO_MPI_DATATYPE", "after_operand", "allgather", "allreduce_sum", "alltoall",
     "mpi_datatype", "sum_dtype",
 ]
 
-#: The numpy dtypes MPI has no datatype for: the 16-bit floats. They move as their raw
-#: 16-bit words (`mpi_datatype`; fine for alltoall/allgather, which only move bits) and are
-#: summed as float32 (`sum_dtype`), never by MPI in 16 bits.
+#: The 16-bit floats, which MPI has no datatype for: moved as raw words, summed as float32.
 NO_MPI_DATATYPE: tuple[np.dtype, ...] = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-
 
 
 def _handle(comm: MPI.Comm) -> int:
@@ -69,14 +39,12 @@ def _handle(comm: MPI.Comm) -> int:
 
 
 def after_operand(after):
-  """`after` as an array operand (of a collective, or of the cond/switch around one): the
-  first collective of a computation has none and gets a uint8 zero."""
+  """`after` as an array operand; a uint8 zero for the first collective of a computation."""
   return jnp.zeros((), jnp.uint8) if after is None else after
 
 
 def mpi_datatype(dtype) -> np.int64:
-  """The MPI datatype handle a buffer of `dtype` moves as (the one dtype-to-MPI mapping of
-  the package). 16-bit floats have none (`NO_MPI_DATATYPE`): they travel as uint16 words.
+  """The MPI datatype handle a buffer of `dtype` moves as (16-bit floats as uint16 words).
 
   Example:
     >>> bool(mpi_datatype(jnp.bfloat16) == mpi_datatype(jnp.uint16))
@@ -150,9 +118,8 @@ def _count(aval) -> np.int64:
 
 
 def _cpu(target, attrs, aliases=None):
-  """Lowering to an mnjax handler: operands (x, after), one result. A collective traced
-  while a timeline records carries its `tag` (`mnjax.comm._recorder`) to the ``_tagged``
-  handler; without one it lowers as if the timeline did not exist."""
+  """Lowering to an mnjax handler: operands (x, after), one result; a nonzero timeline
+  `tag` selects the ``_tagged`` handler."""
   def rule(ctx, x, after, *, tag=0, **params):
     native.register()
     kw = {"operand_output_aliases": aliases} if aliases else {}
@@ -164,12 +131,8 @@ def _cpu(target, attrs, aliases=None):
 
 def _tie(x, after):
   """`x` unchanged bit for bit, but computed from `after`: its first element times
-  ``1 + 0 * s``, with ``s`` a finite scalar read from `after`. XLA does not fold ``s * 0``
-  for floats (NaN semantics); the select keeps a NaN or Inf in `after` from reaching `x`,
-  and multiplying by exactly 1 keeps NaN, Inf and the sign of zero. (An
-  ``optimization_barrier`` is not enough: XLA's simplifier drops a barrier operand whose
-  output nobody reads when its producer has one user, e.g. `completion_token`'s sum or a
-  cond branch's parameter.)"""
+  ``1 + 0 * s``, ``s`` a finite scalar from `after` (XLA does not fold ``s * 0`` for floats;
+  an ``optimization_barrier`` would be dropped)."""
   if x.size == 0 or after.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
     return x
   s = jnp.ravel(after)[0].astype(jnp.float32)
@@ -179,15 +142,7 @@ def _tie(x, after):
 
 
 def _gpu(target, attrs):
-  """Lowering to mpi4jax's handler, which takes and returns a token.
-
-  `after` becomes a data dependency here too (`_tie`: the operand's first element is
-  recomputed from it), so the MPI call cannot start before the previous collective's result
-  exists, whatever schedule XLA:GPU picks on each rank (tokens minted per call order
-  nothing, and mpi4jax's handler takes no extra operand). Checked on the HLO lowered for
-  ``cuda`` by tests/unit/test_primitives.py; mnjax's payloads are floats (integer ones would
-  travel untied).
-  """
+  """Lowering to mpi4jax's token-taking handler; `after` is tied in by `_tie` (floats only)."""
   def rule(ctx, x, after, *, tag=0, **params):
     del tag  # mpi4jax's handlers take no tag: the timeline's named scope labels them
     if _gpu_backend():

@@ -1,10 +1,7 @@
 """Per-leaf digests: is a tree still bitwise the same, leaf by leaf?
 
-A digest is a BLAKE2b hash of one leaf's shape, dtype and bytes (~1 GB/s on one core).
-Replica consensus (`mnjax.check_replicas`) compares every rank's digests with rank 0's, and
-`mnjax.Checkpointer` saves them with each checkpoint and compares them with what reads back.
-Both compare with `compare_digests`; `compare_across_ranks` is the host allgather of the
-first. Leaves are named by `mnjax.comm._signature.leaf_paths`, like everywhere else.
+A digest is a BLAKE2b hash of one leaf's shape, dtype and bytes, used by `mnjax.check_replicas`
+(`compare_across_ranks`) and `mnjax.Checkpointer` (`compare_digests`).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import jax
 import numpy as np
 
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._host import leaf_paths
+from mnjax.comm._host._signature import leaf_paths
 
 __all__ = ["compare_across_ranks", "compare_digests", "leaf_digest", "tree_digests"]
 
@@ -41,8 +38,7 @@ def tree_digests(tree: Any, *, digest_size: int = 16,
                  ) -> dict[str, list[str]]:
   """``{leaf path: [digest of each copy]}`` for every leaf of `tree`.
 
-  `copies(leaf)` lists the copies of a leaf to hash (e.g. one per local device); by default
-  the leaf itself is its one copy.
+  `copies(leaf)` lists the copies to hash (e.g. one per local device); default: the leaf.
 
   Example:
     >>> tree_digests({"w": np.zeros(2)}, digest_size=8)      # 16 hex digits per copy
@@ -57,9 +53,8 @@ def compare_digests(reference: Mapping[str, Sequence[str]],
                     other: Mapping[str, Sequence[str]]) -> dict[str, str]:
   """The leaves where `other` differs from `reference`, by path, in sorted order.
 
-  Every copy in `other` is compared with the reference's first copy. The value says how:
-  ``"lacks it"`` or ``"has it"`` (a leaf missing on one side), ``""`` (its one copy
-  differs), or ``"device [1, 3]"`` (which of its several copies differ).
+  Every copy in `other` is compared with the reference's first; the value is ``"lacks it"``,
+  ``"has it"``, ``""`` (its one copy differs) or ``"device [1, 3]"`` (which copies differ).
 
   Example:
     >>> compare_digests({"['w']": ["ab"]}, {"['w']": ["ab", "cd"]})
@@ -81,8 +76,7 @@ def compare_across_ranks(mine: Mapping[str, Sequence[str]],
                          comm: Communicator) -> tuple[dict[str, list[str]], int]:
   """Every rank's digests compared with rank 0's, the same result on every rank.
 
-  Collective on ``comm.mpi_comm`` (one allgather of the digests). Rank 0 is compared with
-  itself too, so copies that differ within it are found.
+  Collective on ``comm.mpi_comm``; rank 0 is compared with itself too.
 
   Returns:
     ``({leaf path: ["rank 2", "rank 0 device [1]", "rank 1 lacks it", ...]}, number of

@@ -1,0 +1,235 @@
+"""Building a `Communicator`: the kind, the node topology and the devices, agreed by every rank.
+
+`create_communicator` is collective: every rank of `mpi_comm` calls it with the same
+arguments. It clones the MPI communicator, agrees on the kind (``auto`` resolved on every
+rank alike), finds each rank's node (real, or ``MNJAX_EMULATE_NODES``'s), chooses the
+devices each process drives before JAX opens them, starts ``jax.distributed`` for ``xla``,
+and installs the abort-on-error hook.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpi4py import MPI
+
+from mnjax.comm import _coordinator as coordinator
+from mnjax.comm import _cuda_mpi as cuda_mpi
+from mnjax.comm import _departures as departures
+from mnjax.comm import _devices as devices_lib
+from mnjax.comm import _failfast as failfast
+from mnjax.comm import _launcher as launcher
+from mnjax.comm import _process_view as process_view
+from mnjax.comm._communicator import KINDS, Communicator, assemble
+from mnjax.comm._instep import _compat as compat
+from mnjax.comm._topology import node_split, node_topology
+
+__all__ = ["create_communicator", "resolve_kind"]
+
+
+def _check_kind(kind: Any) -> str:
+  if not isinstance(kind, str) or (kind not in KINDS and kind != "auto"):
+    raise ValueError(
+        f"create_communicator: unknown communicator kind {kind!r}. Expected one of"
+        f" {', '.join(repr(k) for k in KINDS)} or 'auto'; for one MPI process per device"
+        " use create_communicator('flat')."
+    )
+  return kind
+
+
+def resolve_kind(kind: str) -> str:
+  """`kind`, with ``auto`` replaced by the kind mnjax recommends for this machine.
+
+  ``xla`` where JAX will run on GPUs, ``flat`` on CPUs (README, "On GPUs"). Local: reads
+  the CUDA driver and JAX's state only.
+
+  Example:
+    >>> resolve_kind("auto")   # on a CPU machine
+    'flat'
+  """
+  kind = _check_kind(kind)
+  if kind != "auto":
+    return kind
+  if _jax_started():
+    import jax  # noqa: PLC0415
+
+    return "xla" if jax.local_devices()[0].platform == "gpu" else "flat"
+  return "xla" if devices_lib.gpus_expected(devices_lib.gpu_inventory()) else "flat"
+
+
+def _check_same_kind(asked: list[tuple[str, str]]) -> None:
+  """The same error on every rank unless every rank's (requested, resolved) kind agrees."""
+  chosen = [k for _, k in asked]
+  if len(set(chosen)) == 1:
+    return
+  if all(a == "auto" for a, _ in asked):
+    raise ValueError(
+        f"create_communicator('auto') chose different kinds on different ranks ({chosen}):"
+        " some nodes see GPUs and others do not. Pass the kind explicitly."
+    )
+  groups: dict[str, list[int]] = {}
+  for rank, (a, k) in enumerate(asked):
+    groups.setdefault(f"{a!r}" + (f" (which chose {k!r})" if a == "auto" else ""), []).append(rank)
+  per_kind = ", ".join(f"{what} on ranks {ranks}" for what, ranks in groups.items())
+  raise ValueError(
+      f"create_communicator: the ranks asked for different kinds: {per_kind}. Every rank must"
+      " build the same kind (their gradient exchanges differ and would never match): pass"
+      " the same kind on every rank (one --comm flag for the whole job, not one per rank)."
+  )
+
+
+def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int,
+                           local_device_ids: tuple[int, ...] | None) -> None:
+  """`jax.distributed` for the ``xla`` kind, or the same clear error on every rank.
+
+  The ranks first agree that none has started JAX, so no rank waits alone in
+  ``jax.distributed.initialize``. `local_device_ids` (GPUs only): the ordinals this process
+  drives (JAX would otherwise assume one process per GPU).
+  """
+  import jax  # noqa: PLC0415
+
+  if jax.distributed.is_initialized():
+    return
+  late = mpi_comm.allgather(_jax_started())
+  if any(late):
+    raise ValueError(
+        "create_communicator('xla') must run before JAX uses any device, because it starts"
+        " jax.distributed; JAX was already initialised on ranks"
+        f" {[r for r, x in enumerate(late) if x]}. Create the communicator first thing in"
+        " the script (before creating arrays or calling jax.devices()), or call"
+        " jax.distributed.initialize() yourself before it."
+    )
+  # CPU collectives across processes need gloo; GPUs use NCCL regardless of this setting.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  address = coordinator.choose(mpi_comm, timeout)  # checked from every rank (_coordinator)
+  try:
+    jax.distributed.initialize(
+        coordinator_address=address, num_processes=mpi_comm.size, process_id=mpi_comm.rank,
+        cluster_detection_method="deactivate", initialization_timeout=timeout,
+        local_device_ids=list(local_device_ids) if local_device_ids else None,
+    )
+  except Exception as error:  # every rank gets here: the coordinator is shared
+    raise RuntimeError(
+        f"create_communicator('xla'): jax.distributed could not start ({error}). It needs"
+        " every rank of the job to reach create_communicator('xla') and rank 0's host to"
+        " be reachable from the others on a free port; use kind 'hierarchical' to keep"
+        " cross-process traffic on MPI."
+    ) from error
+
+
+def _jax_started() -> bool:
+  return compat.jax_backends_started()
+
+
+def create_communicator(
+    kind: str = "flat",
+    mpi_comm: MPI.Intracomm | None = None,
+    *,
+    axis_name: str = "batch",
+    local_devices: int | None = None,
+    distributed_timeout: int = 120,
+    abort_on_error: bool = True,
+    share_devices: bool = False,
+) -> Communicator:
+  """Builds the communicator for data-parallel training (collective: call on every rank).
+
+  Args:
+    kind: how gradients are reduced; one of `KINDS`. ``flat``: one MPI process per device.
+      ``hierarchical``, ``two_dimensional``, ``single_node`` (one node only): one process
+      drives its local devices, under `mnjax.data_parallel`. ``auto``: ``xla`` on GPUs,
+      ``flat`` on CPUs (`resolve_kind`).
+    mpi_comm: the MPI communicator whose processes train together (default:
+      ``MPI.COMM_WORLD``); mnjax uses a private clone of it.
+    axis_name: name of the mapped local-device axis (under ``xla``: every device of the job).
+    local_devices: for the multi-device kinds, how many local devices to drive (default:
+      this process's share of its node's; ``xla`` always uses its whole share).
+    distributed_timeout: ``xla`` only: seconds `jax.distributed` waits for every process.
+    abort_on_error: with several processes, an uncaught exception on any rank aborts every
+      rank. Pass False to keep Python's own handler.
+    share_devices: allow several processes to drive one GPU (each preallocates its share of
+      the memory); otherwise that layout is an error.
+
+  Each process's devices are chosen before JAX starts (``flat``: node-local rank *i* on GPU
+  *i*), and ``jax_default_device`` is set: call it before any other JAX call. Under the MPI
+  kinds use ``comm.rank``/``comm.size``, not ``jax.process_index()``/``process_count()``
+  (ranks but 0 warn once per calling line). ``MNJAX_EMULATE_NODES=k`` splits the ranks into
+  ``k`` emulated nodes.
+
+  Returns:
+    A frozen, hashable `Communicator`.
+
+  Example:
+    >>> import mnjax
+    >>> comm = mnjax.create_communicator("flat")  # under mpirun -n 4: comm.size == 4
+    >>> comm.rank < comm.size
+    True
+  """
+  kind = _check_kind(kind)
+  if mpi_comm is None:
+    mpi_comm = MPI.COMM_WORLD
+  if not isinstance(mpi_comm, MPI.Intracomm):
+    raise TypeError(
+        "create_communicator: mpi_comm must be an mpi4py Intracomm (e.g."
+        f" MPI.COMM_WORLD), got {type(mpi_comm).__name__}."
+    )
+  if not isinstance(axis_name, str) or not axis_name:
+    raise ValueError(f"create_communicator: axis_name must be a non-empty str, got {axis_name!r}.")
+
+  if mpi_comm is MPI.COMM_WORLD:  # a launcher whose PMI this MPI does not speak: singletons
+    launcher.check_world(mpi_comm.Get_size(), MPI.Get_library_version())
+  if kind == "xla" and local_devices is not None:
+    raise ValueError("create_communicator: kind 'xla' uses every device this process drives;"
+                     " drop local_devices.")
+  if not isinstance(share_devices, bool):
+    raise TypeError(f"create_communicator: share_devices must be a bool, got {share_devices!r}.")
+  clone = mpi_comm.Clone()
+  # Registered before jax.distributed starts, so at exit it runs after jax's shutdown.
+  departures.announce()
+  resolved = devices_lib.agree(clone, resolve_kind, kind)
+  _check_same_kind(clone.allgather((kind, resolved)))
+  kind = resolved
+  node = devices_lib.agree(clone, node_split, clone)
+  intra_rank, intra_size, inter_rank, inter_size = node_topology(clone, node)
+  if kind == "single_node" and inter_size > 1:  # inter_size is the same on every rank
+    node.Free()
+    raise ValueError(
+        f"create_communicator: kind 'single_node' keeps every exchange on one node, but the"
+        f" {clone.size} processes are on {inter_size} nodes. Launch them all on one node, or"
+        " use kind 'hierarchical' (psum over each process's devices, MPI between processes,"
+        " on any number of nodes) or 'flat' (one process per device)."
+    )
+  started = clone.allgather(_jax_started())
+  if len(set(started)) > 1:
+    raise ValueError(
+        "create_communicator: JAX was already started (a jax.numpy call, jax.devices(), an"
+        f" array) on ranks {[r for r, x in enumerate(started) if x]} but not on the others,"
+        " so they would choose devices differently. Call create_communicator first thing in"
+        " the script, on every rank."
+    )
+  devices = devices_lib.choose_devices(
+      kind, local_devices, share_devices, clone, node, started=started[0],
+      start_distributed=lambda ids: _start_jax_distributed(clone, distributed_timeout, ids))
+  node.Free()
+  counts = clone.allgather(len(devices))
+  if len(set(counts)) > 1:
+    raise ValueError(
+        f"create_communicator({kind!r}): the processes drive different numbers of devices"
+        f" ({counts}, by rank); every process must drive the same number (the mapped step"
+        " and the collectives assume one layout). Launch the same number of processes on"
+        " every node with the same GPUs each, or pass local_devices=."
+    )
+  if devices[0].platform == "gpu" and (kind in ("flat", "hierarchical", "two_dimensional")
+                                       or (kind == "single_node" and clone.size > 1)):
+    # mpi4jax's CUDA handlers carry these kinds: check them now rather than at the first step.
+    devices_lib.agree(clone, cuda_mpi.configure)
+  import jax  # noqa: PLC0415 (started by devices_lib.choose_devices)
+
+  # The process's first communicator decides; a later one does not move existing arrays.
+  if jax.config.jax_default_device is None:
+    jax.config.update("jax_default_device", devices[0])
+  if abort_on_error and clone.size > 1:
+    failfast.install()
+  comm = assemble(kind, clone, (intra_rank, intra_size, inter_rank, inter_size), devices,
+                  axis_name)
+  process_view.watch(comm)
+  return comm

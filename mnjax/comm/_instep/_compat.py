@@ -1,0 +1,165 @@
+"""Every private JAX and mpi4jax API mnjax relies on, in one place.
+
+Things with no public API in the pinned jax / mpi4jax (pyproject.toml) are imported here
+only, each with its use and public replacement, so an upgrade is one file to read.
+"""
+
+from __future__ import annotations
+
+# The current trace, its enclosing ones and a tracer's own trace (`mnjax.functions`' chain).
+# Public replacement: none in jax 0.10.2 (``get_opaque_trace_state`` allows equality only).
+from jax._src import core as _jax_core
+
+# JAX's effect registry: keeps an exchange whose result is unused, inside ``custom_vjp`` too.
+# Public replacement: none in jax 0.10.2.
+from jax._src import effects as _jax_effects
+
+# Whether JAX started its backends, asked without starting them (`create_communicator`).
+# Public replacement: none in jax 0.10.2 (every jax.extend.backend query starts them).
+from jax._src import xla_bridge as _jax_xla_bridge
+
+# mpi4jax's CUDA copy-mode flag and switch. Public replacement: none in mpi4jax 0.9.1.
+from mpi4jax._src import decorators as _mpi4jax_decorators
+from mpi4jax._src import xla_bridge as _mpi4jax_xla_bridge
+
+# The abstract token of mpi4jax's FFI handlers (the GPU lowering's types); jax checks identity.
+# Public replacement: ``jax.ffi.abstract_token`` (jax >= 0.11).
+from mpi4jax._src.jax_compat import abstract_token
+
+# MPI handles (communicator, op, datatype of a numpy dtype) as the FFI handlers' int64s.
+# Public replacement: none (mpi4py's ``MPI._handleof`` is private, without the sign fix).
+from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
+
+__all__ = [
+  "KEPT_EFFECT_BASE",
+  "abstract_token",
+  "jax_backends_started",
+  "outermost_trace",
+  "reachable_here",
+  "register_kept_effect",
+  "set_mpi4jax_cuda_copy_mode",
+  "to_dtype_handle",
+  "to_mpi_handle",
+  "traced_for",
+  "usable_here",
+]
+
+
+def jax_backends_started() -> bool:
+  """Whether JAX has created its backends (opened its devices) in this process.
+
+  Example:
+    >>> _ = jax.devices()          # anything that asks for devices starts them
+    >>> jax_backends_started()
+    True
+  """
+  return _jax_xla_bridge.backends_are_initialized()
+
+
+def set_mpi4jax_cuda_copy_mode(copy_to_host: bool) -> None:
+  """Sets how mpi4jax's CUDA handlers hand buffers to MPI, and marks its set-up as done.
+
+  True: copy through host memory (any MPI); False: pass device pointers (CUDA-aware MPI
+  only). Needs mpi4jax's CUDA extension.
+
+  Example:
+    >>> set_mpi4jax_cuda_copy_mode(copy_to_host=True)  # the mpich wheel  # doctest: +SKIP
+  """
+  _mpi4jax_decorators._cuda_mpi_setup_done = True  # mnjax decided: mpi4jax must not warn
+  _mpi4jax_xla_bridge.mpi_xla_bridge_cuda.set_copy_to_host(copy_to_host)
+
+
+def usable_here(value):
+  """`value` if the current trace may use it; else its primal value (a finished
+  ``jax.grad``/``jax.vjp`` tracer) when usable; else None.
+
+  Example:
+    >>> usable_here(jnp.ones(2)).shape
+    (2,)
+  """
+  while value is not None:
+    if reachable_here(value):
+      return value
+    value = getattr(value, "primal", None)  # JVPTracer / LinearizeTracer
+  return None
+
+
+def _enclosing_traces():
+  """The trace JAX traces into now and those enclosing it (``parent_trace``), innermost first."""
+  trace = _jax_core.trace_ctx.trace
+  while trace is not None:
+    yield trace
+    trace = getattr(trace, "parent_trace", None)
+
+
+def _staging(trace) -> bool:
+  """Whether `trace` stages a jaxpr (not eager evaluation or an eager transformation)."""
+  return getattr(trace, "frame", None) is not None  # a DynamicJaxprTrace's jaxpr being built
+
+
+def outermost_trace():
+  """The outermost staging trace enclosing the current one (under ``jax.jit(f)``, ``f``'s),
+  or None outside any.
+
+  Example:
+    >>> outermost_trace() is None
+    True
+  """
+  top = None
+  for trace in _enclosing_traces():
+    if _staging(trace):
+      top = trace
+  return top
+
+
+def traced_for() -> tuple[str, ...]:
+  """What each staged trace enclosing the current one traces (innermost first): ``"jit"``,
+  ``"cond"``, ``"while_body"``, ``"scan"``, ``"checkpoint / remat"``, ...
+
+  Example:
+    >>> jax.jit(lambda x: (print(traced_for()), x)[1])(1.0)    # doctest: +SKIP
+    ('jit',)
+  """
+  infos = (getattr(getattr(t, "frame", None), "debug_info", None) for t in _enclosing_traces())
+  return tuple(str(info.traced_for) for info in infos if info is not None)
+
+
+def register_kept_effect(effect_type: type, *, control_flow: bool = False) -> object:
+  """An instance of `effect_type` (an ``Effect`` subclass), registered as an unordered effect
+  JAX keeps and lowers, allowed in ``custom_vjp`` (with `control_flow`, also in control flow
+  bodies and ``jax.checkpoint``).
+
+  Example:
+    >>> effect = register_kept_effect(KEPT_EFFECT_BASE)          # doctest: +SKIP
+  """
+  _jax_effects.lowerable_effects.add_type(effect_type)
+  _jax_effects.custom_derivatives_allowed_effects.add_type(effect_type)
+  if control_flow:
+    _jax_effects.control_flow_allowed_effects.add_type(effect_type)
+    _jax_effects.remat_allowed_effects.add_type(effect_type)
+  return effect_type()
+
+
+#: The base class of JAX effects (for `register_kept_effect`).
+KEPT_EFFECT_BASE = _jax_effects.Effect
+
+
+def reachable_here(value) -> bool:
+  """Whether the current trace may use `value`: a concrete array, or a live tracer of this
+  trace or an enclosing one.
+
+  Example:
+    >>> reachable_here(jnp.ones(3))
+    True
+    >>> def step(x):
+    ...   assert reachable_here(x)                         # a tracer of this very trace
+    ...   return x
+    >>> float(jax.jit(step)(1.0))
+    1.0
+  """
+  if not isinstance(value, _jax_core.Tracer):
+    return True
+  own = value._trace
+  if not own.is_valid():
+    return False
+  return any(trace is own for trace in _enclosing_traces())
