@@ -12,6 +12,7 @@
   rank skips and lowers the scale together; `loss_scale_state` reads the scale in the step.
 * `shard_optimizer`: ZeRO-1, the optimizer state sharded over ranks (in place of the
   chain above); `gather_optimizer_state` / `scatter_optimizer_state` for checkpoints.
+* `replace_inner_state`: a ported script's saved `tx` state put into a wrapper's state.
 * `recipes`: the large-batch recipes (Goyal et al., LARS, Akiba et al.'s RMSprop warm-up).
 
 Example::
@@ -23,6 +24,7 @@ from mnjax.optim import recipes
 from mnjax.optim._accumulation import AccumulationState, accumulate_gradients
 from mnjax.optim._allreduce import allreduce_gradients
 from mnjax.optim._double_buffering import DoubleBufferingState
+from mnjax.optim._inner_state import replace_inner_state
 from mnjax.optim._loss_scale import DynamicLossScaleState, dynamic_loss_scale, loss_scale_state
 from mnjax.optim._multi_node import create_multi_node_optimizer
 from mnjax.optim._nonfinite import (
@@ -49,6 +51,7 @@ __all__ = [
     "loss_scale_state",
     "raise_if_diverging",
     "recipes",
+    "replace_inner_state",
     "scatter_optimizer_state",
     "shard_optimizer",
     "skip_nonfinite",

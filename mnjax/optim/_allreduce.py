@@ -25,8 +25,9 @@ from mnjax.comm._instep import _buckets as bucketing
 from mnjax.comm._instep import _sequence as sequence
 from mnjax.comm._instep import _wire as wire
 from mnjax.guard import _preflight as preflight
+from mnjax.guard import _program as program
 
-__all__ = ["GradientExchange", "allreduce_gradients", "gradient_exchange"]
+__all__ = ["GradientExchange", "allreduce_gradients", "check_inner_update", "gradient_exchange"]
 
 
 def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
@@ -153,6 +154,25 @@ def gradient_exchange(comm, caller: str, *, mean: bool = True, wire_dtype: Any =
         tree, comm, mean=mean, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
 
   return GradientExchange(check_params, check, reduce, mean)
+
+
+def check_inner_update(comm, caller: str, inner: Any, updates: Any, state: Any, params: Any,
+                       extra_args: dict) -> None:
+  """Raises the same `ValueError` on every rank unless every rank's wrapped optimizer traces
+  the same update program (another optimizer, or another hyperparameter, on one rank would
+  leave the replicas drifting apart in silence). Runs while the step is traced.
+
+  Example:
+    >>> tx = optax.with_extra_args_support(optax.sgd(0.1))
+    >>> g = {"w": jnp.ones(2)}
+    >>> check_inner_update(comm, "my_wrapper", tx, g, tx.init(g), g, {})  # same everywhere
+  """
+  closed = jax.make_jaxpr(lambda u, s, p, e: inner.update(u, s, p, **e))(
+      updates, state, params, extra_args)
+  program.check_same_program(
+      comm, closed, caller=caller,
+      what="the update of the optimizer it wraps (its hyperparameters included)",
+      fix="build the same optimizer, with the same hyperparameters, on every rank")
 
 
 def _check_traced(updates: Any, state: Any, params: Any, comm, caller: str) -> None:

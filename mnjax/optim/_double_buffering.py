@@ -20,7 +20,7 @@ import optax
 from mnjax.comm._communicator import Communicator
 from mnjax.comm._instep import _buckets as bucketing
 from mnjax.guard import _preflight as preflight
-from mnjax.optim._allreduce import gradient_exchange
+from mnjax.optim._allreduce import check_inner_update, gradient_exchange
 
 __all__ = ["DoubleBufferingState", "PendingGradient", "check_pending", "double_buffered_optimizer",
            "double_buffered_update", "init_pending"]
@@ -187,6 +187,7 @@ def double_buffered_optimizer(tx: optax.GradientTransformation, comm: Communicat
     check_pending(updates, pending, _CALLER)  # after the comparison: every rank raises alike
     previous, exchanged = double_buffered_update(updates, pending, comm, exchange.reduce,
                                                  mean=exchange.mean)
+    check_inner_update(comm, _CALLER, inner, previous, state.inner_state, params, extra_args)
     new_updates, inner_state = inner.update(previous, state.inner_state, params, **extra_args)
     started = state.started
     new_updates = jax.tree.map(lambda u: jnp.where(started, u, jnp.zeros_like(u)), new_updates)

@@ -14,7 +14,7 @@ from typing import Any
 import optax
 
 from mnjax.comm._communicator import Communicator, check_communicator
-from mnjax.optim._allreduce import allreduce_gradients
+from mnjax.optim._allreduce import allreduce_gradients, check_inner_update
 from mnjax.optim._double_buffering import double_buffered_optimizer
 
 __all__ = ["create_multi_node_optimizer"]
@@ -86,6 +86,7 @@ def create_multi_node_optimizer(actual_optimizer: optax.GradientTransformation, 
 
   def update_fn(updates, state, params=None, **extra_args):
     updates, _ = reducer.update(updates, optax.EmptyState(), params)
+    check_inner_update(comm, _CALLER, inner, updates, state, params, extra_args)
     return inner.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,4 +1,4 @@
-"""Whatever decides which examples a rank reads is agreed across ranks (issue 23): a seed,
+"""Whatever decides which examples a rank reads is agreed across ranks: a seed,
 epoch, dataset size, batch or option that differs on one rank is named on every rank, before
 anything is read; one host round per call, none at size 1, none per batch."""
 

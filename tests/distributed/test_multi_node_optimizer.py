@@ -172,3 +172,23 @@ def test_arguments_are_checked_when_built(comm):
     mnjax.create_multi_node_optimizer(optax.sgd(0.1), None)
   with pytest.raises(TypeError, match=r"create_multi_node_optimizer: .*mean must be a bool"):
     mnjax.create_multi_node_optimizer(optax.sgd(0.1), comm, mean=1)
+
+
+@pytest.mark.parametrize("double_buffering", [False, True])
+def test_another_actual_optimizer_on_one_rank_is_named_on_every_rank(comm, double_buffering):
+  """Under the user's own jax.jit: sgd(0.2) on the last rank, sgd(0.1) elsewhere (or adam)
+  would leave the replicas drifting apart; the wrapper compares the programs it wraps."""
+  if comm.size < 2:
+    pytest.skip("needs ranks that disagree (runs under mpirun)")
+  last = comm.rank == comm.size - 1
+  for odd in (optax.sgd(0.2), optax.adam(0.1)):
+    tx = mnjax.create_multi_node_optimizer(odd if last else optax.sgd(0.1), comm,
+                                           double_buffering=double_buffering)
+    params = init_params()
+    with pytest.raises(ValueError, match=r"the update of the optimizer it wraps") as info:
+      jax.jit(tx.update)(params, tx.init(params), params)
+    assert len(set(comm.mpi_comm.allgather(str(info.value)))) == 1
+  same = mnjax.create_multi_node_optimizer(optax.sgd(0.1), comm,
+                                           double_buffering=double_buffering)
+  params = init_params()
+  jax.jit(same.update)(params, same.init(params), params)  # the same everywhere: runs

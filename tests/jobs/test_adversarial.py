@@ -1,5 +1,5 @@
 """Every bad-input case of tests/support/adversarial.py ends its job in under 30 s, with a
-non-zero exit and the same clear message on every rank still running (issue 18)."""
+non-zero exit and the same clear message on every rank still running."""
 
 import time
 

@@ -1,4 +1,4 @@
-"""The multi-node model end to end (issue 27 items 4 and 5), one mpirun launch each:
+"""The multi-node model end to end, one mpirun launch each:
 
 * 2 ranks, tests/support/multi_node_model_job.py: ChainerMN's MNIST split (stages on ranks
   [0, 1, 0]) has the single-process loss and gradient, trains with per-stage optimizers to

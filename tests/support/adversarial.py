@@ -1,4 +1,4 @@
-"""Bad input to mnjax's collectives, as a new user would give it (issue 18): one case per run.
+"""Bad input to mnjax's collectives, as a new user would give it: one case per run.
 
     mpirun -n 2 python tests/support/adversarial.py CASE   # one case: a job that must fail
     python tests/support/adversarial.py --report [-n 2]    # every case, classified, counted

@@ -1,4 +1,4 @@
-"""The docs keep up with the code: the API table, the file map, private names, links.
+"""The docs keep up with the code: the API table, the file map, the test files, links.
 
 Rules (fast, no MPI launch; the library is imported, nothing runs):
 
@@ -16,6 +16,8 @@ Rules (fast, no MPI launch; the library is imported, nothing runs):
   slash (```mnjax/comm/```), which must appear too.
 * No private module of mnjax (``mnjax.comm._instep._recorder``: a dotted name with a component that
   starts with ``_``) is named in docs/api.md or README.md.
+* docs/testing.md has one row per file under tests/, holding the first paragraph of that
+  file's docstring on one line.
 * Every relative link ``[text](target)`` in README.md, docs/*.md and docs/design/overview.md
   points to an existing file or folder (fragments ignored; http(s), mailto and ``#anchor``
   links skipped; fenced code blocks ignored).
@@ -147,3 +149,32 @@ def test_relative_links_point_to_existing_files(doc):
   assert not broken, (
       f"{_rel(doc)} links to files that do not exist: {'; '.join(broken)} (paths are"
       f" relative to {_rel(doc.parent) or '.'}/). Fix the path or remove the link.")
+
+
+TESTING = ROOT / "docs" / "testing.md"
+
+
+def _first_paragraph(path: pathlib.Path) -> str:
+  import ast
+
+  doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+  return " ".join(doc.split("\n\n")[0].split()).replace("|", "/")
+
+
+def test_the_testing_page_lists_every_test_file_by_its_docstring():
+  """docs/testing.md's table row of each file under tests/ is its docstring's first paragraph."""
+  rows = dict(re.findall(r"^\| `(tests/[^`]+\.py)` \| (.*) \|$", TESTING.read_text(), re.M))
+  files = {_rel(p): _first_paragraph(p) for p in sorted((ROOT / "tests").rglob("*.py"))}
+  missing = sorted(set(files) - set(rows))
+  gone = sorted(set(rows) - set(files))
+  stale = sorted(f for f in set(files) & set(rows) if files[f] != rows[f])
+  problems = []
+  if missing:
+    problems.append(f"not in docs/testing.md's table of test files: {missing}")
+  if gone:
+    problems.append(f"rows of docs/testing.md for files that no longer exist: {gone}")
+  if stale:
+    problems.append(f"rows of docs/testing.md that differ from their file's docstring (first"
+                    f" paragraph): {stale}")
+  assert not problems, ("; ".join(problems) + ". Each row is `| `path` | first paragraph of the"
+                        " file's docstring, on one line |`: update the row from the docstring.")
