@@ -76,8 +76,19 @@ class Checkpointer:
     self.keep = keep
     self._async = async_save
     self._store: OrbaxStore | None = None  # rank 0 only: the other ranks never touch it
+    problem = None
     if comm.is_root:
-      self._store = OrbaxStore(self.directory, keep=keep, async_save=async_save)
+      try:
+        self._store = OrbaxStore(self.directory, keep=keep, async_save=async_save)
+      except OSError as error:  # a file in the way, a read-only or missing parent
+        problem = f"{type(error).__name__}: {error}"
+    if comm.size > 1:
+      problem = comm.mpi_comm.bcast(problem, root=0)
+    if problem is not None:
+      raise OSError(
+          f"Checkpointer: rank 0 cannot use {self.directory} as the checkpoint directory"
+          f" ({problem}). Pass a directory rank 0 may create and write (not a file, not under"
+          " a file); nothing was written.")
 
   def save(self, step: int, state: Any, *, meta: dict | None = None) -> None:
     """Saves `state` as checkpoint `step` (collective; rank 0 writes; replaces that step).

@@ -25,8 +25,6 @@ from jax.sharding import PartitionSpec as P
 
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._instep import _sequence as sequence
-from mnjax.guard import _preflight as preflight
-from mnjax.guard import _program as program
 from mnjax.train import _step_checks as checks
 
 __all__ = ["data_parallel"]
@@ -102,19 +100,11 @@ def data_parallel(
   def stacked(*args):
     _check_batch_positions(batch_argnums, len(args))  # while tracing: once per compilation
     # Traced once into a jaxpr (compared across ranks), then replayed into the step's trace.
-    with preflight.recording() as collectives, first_device():  # SyncBatchNorm's, in order
+    with checks.recording() as collectives, first_device():  # SyncBatchNorm's, in order
       closed, shapes = checks.trace(per_device, args, comm)
-    checks.check_local_collectives(closed, comm)
-    if comm.multi_device:
-      checks.check_replicated_outputs(closed, args, shapes, comm, batch_argnums,
-                                      per_device_outputs)
-    fresh = comm.size > 1 and tuple(collectives) not in agreed
-    preflight.check_collective_sequence(comm, collectives, caller="data_parallel",
-                                        agreed=agreed)
-    if fresh and check_program:
-      program.check_same_program(
-          comm, closed, caller="data_parallel", arg_paths=checks.arg_paths(args),
-          fix="or, if it really must differ, build data_parallel with check_program=False")
+    checks.check_step(closed, args, shapes, comm, collectives, agreed=agreed,
+                      batch_argnums=batch_argnums, per_device_outputs=per_device_outputs,
+                      check_program=check_program)
     flat = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 

@@ -1,10 +1,12 @@
-"""What `mnjax.data_parallel` checks in a traced step before it first runs, beyond the ranks'
-agreement (`mnjax.guard._preflight`, `mnjax.guard._program`): the step's meaning under pmap.
+"""Every check `mnjax.data_parallel` makes of a traced step before it first runs, in one place.
 
-`check_local_collectives` refuses a leftover ``lax.pmean(x, "batch")`` that would reduce over
+`check_step` runs them in order: the step's meaning under pmap (`check_local_collectives`
+refuses a leftover ``lax.pmean(x, "batch")`` that would reduce over
 this process's devices only (`process_local` marks one that is meant);
-`check_replicated_outputs` refuses a per-device output not listed in ``per_device_outputs``;
-under ``flat`` `trace` turns JAX's unbound-axis error into one with the fix.
+`check_replicated_outputs` refuses a per-device output not listed in ``per_device_outputs``),
+then the ranks' agreement: the same in-step collectives (`mnjax.guard._preflight`) and the
+same program (`mnjax.guard._program`). `trace` records the step's collectives while it
+traces it, and under ``flat`` turns JAX's unbound-axis error into one with the fix.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from typing import Any
 import jax
 
 from mnjax.comm._communicator import Communicator
+from mnjax.guard import _preflight as preflight
 from mnjax.guard import _program as program
 from mnjax.optim._accumulation import AccumulationState
 from mnjax.optim._double_buffering import PendingGradient
 from mnjax.train import _replicated as replicated
 
-__all__ = ["arg_paths", "check_local_collectives", "check_replicated_outputs", "process_local",
-           "trace"]
+__all__ = ["arg_paths", "check_local_collectives", "check_replicated_outputs", "check_step",
+           "process_local", "recording", "trace"]
 
 #: The `jax.named_scope` that `process_local` opens (read by `mnjax.guard._program`).
 PROCESS_LOCAL_SCOPE = "mnjax_process_local"
@@ -127,3 +130,27 @@ def arg_paths(args: tuple) -> list[str]:
   """A name per leaf of the step's arguments, for the program check's messages."""
   return [f"argument {jax.tree_util.keystr(path)}"
           for path, _ in jax.tree_util.tree_flatten_with_path(list(args))[0]]
+
+
+def check_step(closed: Any, args: tuple, shapes: Any, comm: Communicator, collectives: list,
+               *, agreed: set, batch_argnums: tuple, per_device_outputs: tuple,
+               check_program: bool) -> None:
+  """Every check of a traced step (`closed`, its output `shapes`, the in-step `collectives`
+  recorded while tracing), in order; raises the first problem, on every rank where the
+  ranks disagree. `agreed` holds the collective sequences this step's ranks agreed on.
+  """
+  check_local_collectives(closed, comm)
+  if comm.multi_device:
+    check_replicated_outputs(closed, args, shapes, comm, batch_argnums, per_device_outputs)
+  fresh = comm.size > 1 and tuple(collectives) not in agreed
+  preflight.check_collective_sequence(comm, collectives, caller="data_parallel",
+                                      agreed=agreed)
+  if fresh and check_program:
+    program.check_same_program(
+        comm, closed, caller="data_parallel", arg_paths=arg_paths(args),
+        fix="or, if it really must differ, build data_parallel with check_program=False")
+
+
+def recording():
+  """The context in which the step is traced: its in-step collectives, recorded in order."""
+  return preflight.recording()

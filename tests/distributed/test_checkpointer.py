@@ -280,3 +280,12 @@ def test_a_local_device_copy_that_differs_is_refused(comm, tmp_path):
     assert ckpt.steps() == []
     ckpt.save(1, {"w": drifted_local_copies([1, 1]), "b": jnp.ones(2)})
     assert ckpt.steps() == [1]
+
+
+def test_a_directory_that_is_a_file_is_refused_on_every_rank(comm, tmp_path):
+  in_the_way = tmp_path / "ckpt"
+  in_the_way.write_text("not a directory")
+  with pytest.raises(OSError, match=r"rank 0 cannot use .*ckpt as the checkpoint directory"
+                                    r" \(FileExistsError.*not a file"):
+    mnjax.Checkpointer(in_the_way, comm)
+  assert comm.mpi_comm.allreduce(1) == comm.size  # every rank is still in step
