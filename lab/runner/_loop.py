@@ -41,7 +41,6 @@ from lab.runner._records import (
 from lab.runner._run_config import RunConfig
 from lab.runner._tensorboard import TensorBoard, run_logdir
 from lab.runner._workdir import MetricsLog, write_config
-from mnjax.checkpoint._errors import CheckpointTemplateError
 from mnjax.checkpoint._loop import LoopCheckpoints
 from mnjax.comm._communicator import Communicator
 from mnjax.guard._consensus import check_replicas
@@ -104,22 +103,13 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
     raise ValueError(f"train_loop: steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}.")
   skipped_steps(state.opt_state)  # fails now, not after an epoch, without skip_nonfinite
   settings = {k: getattr(config, k) for k in config.resume_settings}
-  for name in ("double_buffering", "shard_optimizer"):  # another optimizer state: refuse
-    if getattr(config, name):  # a resume with the other setting, in those words
-      settings[name] = True
+  for name in ("double_buffering", "shard_optimizer"):  # another optimizer state: a resume
+    settings[name] = bool(getattr(config, name))      # with the other setting is named
   resume = config.resume or requeued()  # Slurm's requeue reruns the same command
   checkpoints = LoopCheckpoints(
       os.path.join(config.workdir, "checkpoints"), comm, resume=resume,
       keep=config.keep_checkpoints, settings=settings)
-  try:
-    state, sums, first_epoch, first_batch = checkpoints.start(state, zero_sums())
-  except CheckpointTemplateError as error:  # the same on every rank
-    if ".pending[" not in str(error):
-      raise
-    raise CheckpointTemplateError(
-        f"{error}. The checkpoint and this run differ in --double_buffering (its pending"
-        " gradient is part of the optimizer state): resume with the flag the run was saved"
-        " with.") from error
+  state, sums, first_epoch, first_batch = checkpoints.start(state, zero_sums())
   step = int(state.step)
   write_config(config.workdir, config, comm)
   log = MetricsLog(config.workdir, comm)

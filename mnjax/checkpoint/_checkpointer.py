@@ -232,14 +232,14 @@ class Checkpointer:
       raise CorruptCheckpointError(outcome)
     if outcome is None:
       return None
-    self._check_template(outcome, template)
     changed = {k: (outcome.get("settings", {}).get(k), v) for k, v in self.settings.items()
                if outcome.get("settings", {}).get(k) != v}
-    if changed:
+    if changed:  # before the tree: another setting often means another state layout too
       raise ValueError(
           f"Checkpointer.restore: checkpoint {outcome['step']} in {self.directory} was saved"
           f" with other settings (saved, now): {changed}. Resume with the saved settings, or"
           " start a new run in another directory.")
+    self._check_template(outcome, template)
     if state is None:  # not rank 0: receive into buffers shaped like the saved leaves
       state = target(template, outcome["signature"])
     state = broadcast(state, self.comm, root=0)

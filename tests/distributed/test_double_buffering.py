@@ -407,7 +407,8 @@ def test_mean_false_applies_the_previous_sum_flushed_or_not(comm):
 LOOP_STEPS = 3
 
 
-def loop_run(comm, workdir, *, epochs, resume=False, double_buffering=True):
+def loop_run(comm, workdir, *, epochs, resume=False, double_buffering=True,
+             shard_optimizer=False):
   """`train_loop` on the digits CNN, double-buffered through `guarded_optimizer`."""
   from lab.models import SmallCNN
   from lab.runner import RunConfig, create_train_state, guarded_optimizer, make_train_step
@@ -415,10 +416,12 @@ def loop_run(comm, workdir, *, epochs, resume=False, double_buffering=True):
   digits = mnjax.data.load_digits("train")
   config = RunConfig(epochs=epochs, global_batch_size=8 * comm.size, workdir=str(workdir),
                      progress=False, resume=resume, checkpoint_steps=2,
-                     double_buffering=double_buffering, stall_timeout=0)
+                     double_buffering=double_buffering, shard_optimizer=shard_optimizer,
+                     stall_timeout=0)
   tx = guarded_optimizer(optax.adam(1e-2), comm, config)
-  state = mnjax.broadcast(create_train_state(SmallCNN(), tx, digits.images[:1],
-                                             jax.random.key(0)), comm)
+  state = create_train_state(SmallCNN(), tx, digits.images[:1], jax.random.key(0))
+  if not shard_optimizer:  # each rank's share of a sharded state is its own: not broadcast
+    state = mnjax.broadcast(state, comm)
 
   def batches(epoch, start):
     order = list(mnjax.epoch_batches(len(digits), comm, 8 * comm.size, shuffle=True,
@@ -438,9 +441,15 @@ def test_train_loop_resumes_a_double_buffered_run_bit_for_bit(comm, tmp_path):
   for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params)):
     np.testing.assert_array_equal(a, b)
   assert isinstance(resumed.opt_state, mnjax.optim.DoubleBufferingState)
-  # The flag must match the checkpoint's, either way: refused on every rank, with the fix.
-  with pytest.raises(CheckpointTemplateError, match="differ in --double_buffering"):
+  # The flag must match the checkpoint's, either way: refused on every rank, naming it.
+  with pytest.raises(ValueError, match=r"other settings.*'double_buffering': \(True, False\)"):
     loop_run(comm, tmp_path / "split", epochs=3, resume=True, double_buffering=False)
   loop_run(comm, tmp_path / "plain", epochs=1, double_buffering=False)
-  with pytest.raises(CheckpointTemplateError, match="differ in --double_buffering"):
+  with pytest.raises(ValueError, match=r"other settings.*'double_buffering': \(False, True\)"):
     loop_run(comm, tmp_path / "plain", epochs=2, resume=True)
+
+
+def test_a_resume_that_toggles_shard_optimizer_names_the_flag(comm, tmp_path):
+  loop_run(comm, tmp_path / "sharded", epochs=1, double_buffering=False, shard_optimizer=True)
+  with pytest.raises(ValueError, match=r"other settings.*'shard_optimizer': \(True, False\)"):
+    loop_run(comm, tmp_path / "sharded", epochs=2, resume=True, double_buffering=False)
