@@ -70,6 +70,9 @@ def _parse(argv):
   p.add_argument("--no_psum", action="store_true", help="skip the jax.distributed launch")
   p.add_argument("--tuned_malloc", action="store_true", help="workers run with TUNED_MALLOC")
   p.add_argument("--no_resnet50", action="store_true", help="skip the ResNet-50 table")
+  p.add_argument("--resnet50_fraction", type=float, default=1.0,
+                 help="each of ResNet-50's 161 leaves cut to this fraction of its elements"
+                      " (smoke runs; 1: the real sizes)")
   p.add_argument("--share_devices", action="store_true",
                  help="ranks may share a GPU (create_communicator(share_devices=True))")
   p.add_argument("--bind", default="core", help="mpirun --bind-to (none: off)")
@@ -149,18 +152,28 @@ def _sweep_fns(n: int, comm) -> tuple[dict, dict]:
   return fns, state
 
 
-def _resnet_fns(comm) -> tuple[dict, dict]:
+def _resnet_shapes(fraction: float) -> list[tuple[int, ...]]:
+  """ResNet-50's leaf shapes, or flat leaves of `fraction` of their elements (at least 1)."""
+  from lab.bench.launch import resnet50_shapes
+
+  shapes = resnet50_shapes()
+  if fraction >= 1:
+    return shapes
+  return [(max(1, int(math.prod(s) * fraction)),) for s in shapes]
+
+
+def _resnet_fns(comm, fraction: float = 1.0) -> tuple[dict, dict]:
   import jax
   import jax.numpy as jnp
   import mpi4jax
   import numpy as np
   from mpi4py import MPI
 
-  from lab.bench.launch import resnet50_shapes
   from mnjax.comm._instep._allreduce import allreduce_tree
 
+  shapes = _resnet_shapes(fraction)
   mpi = comm.device_comm
-  total = sum(math.prod(s) for s in resnet50_shapes())
+  total = sum(math.prod(s) for s in shapes)
   send, recv = np.ones(total, np.float32), np.empty(total, np.float32)
 
   def raw(x):
@@ -171,7 +184,7 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
     comm.mpi_comm.Allreduce(MPI.IN_PLACE, recv)
     return x
 
-  leaf_bufs = [np.empty(math.prod(s), np.float32) for s in resnet50_shapes()]
+  leaf_bufs = [np.empty(math.prod(s), np.float32) for s in shapes]
 
   def raw_per_leaf(x):  # in place, like mnjax's handler, on preallocated numpy buffers
     for buf in leaf_bufs:
@@ -193,7 +206,7 @@ def _resnet_fns(comm) -> tuple[dict, dict]:
   fns["mnjax_fused"] = tree_fn(bucket_bytes=None)
   fns["mnjax_fused_bf16"] = tree_fn(bucket_bytes=None, wire_dtype=jnp.bfloat16)
   fns["mnjax_default_bf16"] = tree_fn(wire_dtype=jnp.bfloat16)
-  state = {name: [jnp.full(s, 1e-30, jnp.float32) for s in resnet50_shapes()] for name in fns}
+  state = {name: [jnp.full(s, 1e-30, jnp.float32) for s in shapes] for name in fns}
   return fns, state
 
 
@@ -211,7 +224,7 @@ def _mpi_worker(args) -> dict:
     del fns, state
   if args.no_resnet50:
     return {"ranks": comm.size, "sweep": sweep}
-  fns, state = _resnet_fns(comm)
+  fns, state = _resnet_fns(comm, args.resnet50_fraction)
   resnet = _time(fns, state, host, args.rounds, args.seconds)
   return {"ranks": comm.size,
           "sweep": sweep, "resnet50": resnet}

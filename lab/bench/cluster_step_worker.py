@@ -44,8 +44,7 @@ def _model(name: str):
   from lab import models
   if name == "cnn":
     return models.SmallCNN(), optax.adam(1e-3), 32, (8, 8, 1)
-  resnet10 = models.ResNet(stage_sizes=(1, 1, 1, 1), block=models._resnet.BasicBlock,
-                           num_classes=10, stem="cifar", norm=nn.BatchNorm)
+  resnet10 = models.ResNet10(num_classes=10, stem="cifar", norm=nn.BatchNorm)
   return resnet10, optax.sgd(0.01, momentum=0.9), 4, (8, 8, 3)
 
 

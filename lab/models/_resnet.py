@@ -138,6 +138,7 @@ class ResNet(nn.Module):
     return nn.Dense(self.num_classes, dtype=self.dtype, name="classifier")(x).astype(jnp.float32)
 
 
+ResNet10 = functools.partial(ResNet, stage_sizes=(1, 1, 1, 1), block=BasicBlock)  # tests, smoke
 ResNet18 = functools.partial(ResNet, stage_sizes=(2, 2, 2, 2), block=BasicBlock)
 ResNet34 = functools.partial(ResNet, stage_sizes=(3, 4, 6, 3), block=BasicBlock)
 ResNet50 = functools.partial(ResNet, stage_sizes=(3, 4, 6, 3), block=Bottleneck)

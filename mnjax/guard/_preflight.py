@@ -139,7 +139,7 @@ def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
       pairing.check_exchanges([sequence], comm.mpi_comm, caller=caller)
     return
   everyone = gather_if_different(
-      comm, f"{caller}'s step check", sequence,
+      comm, "the step's check of its in-step collectives", sequence,
       what=f"{caller}'s check of the step's in-step collectives",
       timeout=timeout, timeout_message=(
           f"{caller}: rank {comm.rank} waited {timeout:.0f} s for the other ranks to check"

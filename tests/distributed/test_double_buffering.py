@@ -250,7 +250,7 @@ def test_bad_arguments_and_states_are_refused(comm):
     tx.update(grads, optax.adam(1e-2).init(grads), grads)
   with pytest.raises(ValueError, match=r"leaf \['w'\] is float32\[3\] in the gradient but"
                                        r" float32\[2\]"):
-    tx.update(grads, tx.init({"w": jnp.ones(2)}), None)
+    jax.jit(tx.update)(grads, tx.init({"w": jnp.ones(2)}), None)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])

@@ -112,7 +112,7 @@ def test_ranks_that_disagree_are_named_on_every_rank(comm, case, monkeypatch):
       comm.bcast_obj(1)
   expected = {"roots": f"rank {comm.size - 1} root=1", "shapes": f"rank {comm.size - 1} passed"
               " shape (3,) float64", "dtypes": f"rank {comm.size - 1} float32",
-              "operations": f"rank {comm.size - 1} called gather_obj",
+              "operations": f"rank {comm.size - 1} in 'gather_obj'",
               "limits": f"rank {comm.size - 1} MAX_MESSAGE_BYTES=7"}[case]
   assert expected in str(error.value)
 

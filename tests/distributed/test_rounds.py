@@ -55,7 +55,7 @@ OPERATIONS = {
     "bcast_obj": (_bcast_obj, "bcast_obj"),
     "gather_obj": (_allgather_obj_like, "gather_obj"),
     "allreduce pre-flight": (_allreduce_preflight, "allreduce_gradients's pre-flight check"),
-    "step check": (_step_check, "step check"),
+    "step check": (_step_check, "the step's check of its in-step collectives"),
 }
 PAIRS = [("broadcast", "bcast_obj"), ("bcast", "bcast_obj"), ("step check", "broadcast"),
          ("allreduce pre-flight", "bcast_obj"), ("broadcast", "allreduce pre-flight"),
@@ -80,7 +80,7 @@ def test_operations_are_compared_before_anything_else(comm):
   """The checker names each rank's operation, world ranks where they differ."""
   from mpi4py import MPI
 
-  from mnjax.comm._agreement import check_same_operation
+  from mnjax.comm._host._agreement import check_same_operation
 
   check_same_operation(["broadcast"] * 3, MPI.COMM_WORLD)  # the same: nothing raised
   with pytest.raises(ValueError, match=r"rank 0 in 'broadcast', rank 1 in 'bcast_obj'"):

@@ -92,7 +92,8 @@ def test_kinds_benchmark_smoke(tmp_path):
 
 def test_allreduce_benchmark_smoke(tmp_path):
   stdout, data = run_bench(
-      "allreduce", ["--max_bytes", "1024", "--rounds", "1", "--seconds", "0.001"], tmp_path)
+      "allreduce", ["--max_bytes", "1024", "--rounds", "1", "--seconds", "0.001",
+                    "--resnet50_fraction", "0.001"], tmp_path)
   sweep = data["mpi"]["sweep"]
   assert [row["bytes"] for row in sweep] == [4, 64, 1024]
   assert all(set(row["seconds"]) == set(SWEEP) for row in sweep)
@@ -102,7 +103,7 @@ def test_allreduce_benchmark_smoke(tmp_path):
 
 
 def test_resnet_benchmark_smoke(tmp_path):
-  stdout, data = run_bench("resnet", ["--model", "resnet18", "--image_size", "16",
+  stdout, data = run_bench("resnet", ["--model", "resnet10", "--image_size", "16",
                                       "--batch_per_rank", "2", "--steps", "1", "--rounds", "1"],
                            tmp_path)
   assert set(data["images_per_second"]) == {

@@ -1,5 +1,5 @@
-"""experiments/imagenet.py: a short ResNet-18 run on mocked CIFAR-10 under mpirun -n 2, and
-the same run stopped and resumed mid-epoch."""
+"""experiments/imagenet.py: a short ResNet-10 run (the CIFAR-10 config, a smaller ResNet) on
+mocked CIFAR-10 under mpirun -n 2, and the same run stopped and resumed mid-epoch."""
 
 import json
 import re
@@ -11,7 +11,8 @@ from support.launch import run_mpi
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 FLAGS = ["tests/support/imagenet_job_mocked.py", "--config", "resnet18_cifar10",
-         "--global_batch_size", "8", "--base_lr", "0.32", "--warmup_epochs", "0"]
+         "--model", "resnet10", "--global_batch_size", "8", "--base_lr", "0.32",
+         "--warmup_epochs", "0"]
 
 
 def run(workdir, *flags):
