@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 import lab.models
 import mnjax
 from mnjax.guard import _preflight as preflight
+from mnjax.guard import _program as program
 from mnjax.train._replicated import varying_outputs
 
 AXIS = "batch"
@@ -40,8 +41,10 @@ def as_processes(comm, size, monkeypatch):
   """`comm` claiming `size` processes, for tracing only (its MPI calls are never run)."""
   if size == 1:
     return comm
-  # allreduce_gradients' pre-flight is a host collective over ranks that do not exist here.
+  # allreduce_gradients' pre-flight and the wrappers' program check are host collectives
+  # over ranks that do not exist here.
   monkeypatch.setattr(preflight, "check_same_on_all_ranks", lambda *a, **k: None)
+  monkeypatch.setattr(program, "check_same_program", lambda *a, **k: None)
   return dataclasses.replace(comm, size=size)
 
 
