@@ -26,7 +26,7 @@ def run(workdir, *flags):
   return result.stdout, digests["0"]
 
 
-def test_resnet18_on_mock_cifar10_two_ranks_learns_keeps_replicas_identical_and_resumes(tmp_path):
+def test_resnet_on_mock_cifar10_two_ranks_learns_keeps_replicas_identical_and_resumes(tmp_path):
   workdir = tmp_path / "run"
   _, whole = run(workdir, "--epochs", "4", "--checkpoint_every", "2")
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
