@@ -127,9 +127,11 @@ def test_shard_optimizer_state_is_one_over_p_in_memory_analysis(target):
 
 
 def test_every_process_compiles_the_same_collectives_in_the_same_order(target):
-  adam = functools.partial(mnjax.shard_optimizer, tx=optax.adam(1e-3), bucket_bytes=4096)
-  first, _, _ = compiled(target, "flat", lambda c: adam(c), rank=0)
-  last, _, _ = compiled(target, "flat", lambda c: adam(c), rank=target.gpus - 1)
+  def adam(comm):
+    return mnjax.shard_optimizer(optax.adam(1e-3), comm, bucket_bytes=4096)
+
+  first, _, _ = compiled(target, "flat", adam, rank=0)
+  last, _, _ = compiled(target, "flat", adam, rank=target.gpus - 1)
   assert first.sequence() and first.sequence() == last.sequence()
   xla = [compiled(target, "xla", lambda c: lab.runner.guarded_optimizer(
       optax.sgd(0.1), c, lab.runner.RunConfig(epochs=1, global_batch_size=16,
