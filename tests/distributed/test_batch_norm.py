@@ -120,6 +120,7 @@ def close(a, b, tol=1e-5):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_forward_statistics_and_gradients_equal_batch_norm_on_the_global_batch(kind):
   kc = mnjax.create_communicator(kind)
   images, labels = data(kc.num_replicas)
@@ -190,6 +191,7 @@ def sgd_reference(replicas, steps):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_sgd_steps_keep_replicas_identical_and_match_single_process(kind):
   kc = mnjax.create_communicator(kind)
   images, labels = data(kc.num_replicas)
@@ -254,6 +256,7 @@ def mixed16_case(replicas):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_mixed16_gradients_match_whole_batch_norm_within_chainermn_tolerance(kind):
   # ChainerMN's check_multi_node_bn with dtype=chainer.mixed16 (8 examples of 3 features per
   # replica, labels 0), its tolerances: atol 1e-4, rtol 1e-3 for the float32 norm parameters,
@@ -334,6 +337,7 @@ def test_switching_to_sync_batch_norm_keeps_the_variable_paths(comm):
   assert mnjax.SyncBatchNorm.__qualname__ == "SyncBatchNorm"  # type repr, pickling, docs
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_a_batch_norm_checkpoint_loads_into_the_sync_batch_norm_model():
   solo = mnjax.create_communicator("flat", MPI.COMM_SELF)
   x = np.random.default_rng(4).normal(size=(6, 5)).astype(np.float32)

@@ -39,6 +39,7 @@ def global_batch(step, size):
   return DIGITS_TRAIN.images[idx], DIGITS_TRAIN.labels[idx]
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_params_bitwise_identical_on_every_rank_after_training(comm):
   tx = optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3))
   # Different seeds on purpose: broadcast must make the start identical.
@@ -58,6 +59,7 @@ def test_params_bitwise_identical_on_every_rank_after_training(comm):
   assert len({tuple(rank_losses) for rank_losses in losses}) == comm.size
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_data_parallel_sgd_equals_single_process_large_batch_sgd(comm):
   def make(tx):
     return create_train_state(SmallCNN(), tx, DIGITS_TRAIN.images[:1], jax.random.key(0))

@@ -63,6 +63,7 @@ def test_kind_averages_gradients_like_flat_over_the_same_global_batch(comm, kind
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_parameters_identical_on_every_device_of_every_process(comm, kind):
   kc = mnjax.create_communicator(kind)
   tx = optax.chain(mnjax.allreduce_gradients(kc), optax.adam(1e-3))

@@ -113,6 +113,7 @@ def test_the_converted_model_keeps_its_class_fields_and_variables(comm, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_outputs_and_gradients_equal_syncbatchnorm_and_the_global_batch(comm, name):
   make = MODELS[name]
   original, direct = make(), make(functools.partial(mnjax.SyncBatchNorm, comm))

@@ -111,6 +111,7 @@ CASES = [  # (kind, wire_dtype, bucket_bytes, tolerance)
 
 
 @pytest.mark.parametrize(("kind", "wire_dtype", "bucket_bytes", "tolerance"), CASES)
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_each_step_applies_the_previous_global_gradient(kind, wire_dtype, bucket_bytes,
                                                         tolerance):
   kc = communicator(kind)
@@ -329,6 +330,7 @@ def test_the_pending_gradient_survives_a_checkpoint_bit_for_bit(comm, tmp_path):
   assert_replicas_identical(comm, (resumed["params"], resumed["opt"].inner_state))
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_a_step_with_sync_batch_norm_runs_in_one_order_on_every_rank(comm):
   """SyncBatchNorm's collectives and the double-buffered exchange (ordered after the new
   gradient inside data_parallel): no hang, the same parameters everywhere."""
@@ -434,6 +436,7 @@ def loop_run(comm, workdir, *, epochs, resume=False, double_buffering=True,
   return state
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_train_loop_resumes_a_double_buffered_run_bit_for_bit(comm, tmp_path):
   whole = loop_run(comm, tmp_path / "whole", epochs=2)
   loop_run(comm, tmp_path / "split", epochs=1)  # checkpoints at steps 2 and 3 (epoch end)
@@ -449,6 +452,7 @@ def test_train_loop_resumes_a_double_buffered_run_bit_for_bit(comm, tmp_path):
     loop_run(comm, tmp_path / "plain", epochs=2, resume=True)
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_a_resume_that_toggles_shard_optimizer_names_the_flag(comm, tmp_path):
   loop_run(comm, tmp_path / "sharded", epochs=1, double_buffering=False, shard_optimizer=True)
   with pytest.raises(ValueError, match=r"other settings.*'shard_optimizer': \(True, False\)"):

@@ -55,6 +55,7 @@ def run(comm, workdir, tx, poison=None, **overrides):
                                                       comm, 8 * comm.size))
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_the_loop_trains_logs_checkpoints_and_skips_a_nan_step_anywhere_in_the_chain(
     comm, tmp_path):
   # skip_nonfinite at position 2 of the chain, not 1: the loop finds it by type.

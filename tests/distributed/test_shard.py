@@ -96,6 +96,7 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_equals_allreduce_chain_and_single_process(comm, name):
   data = batches(comm.size)
   sharded, state = train(mnjax.shard_optimizer(OPTIMIZERS[name](), comm), comm, data)
@@ -140,6 +141,7 @@ def test_sixteen_bit_wire_within_its_bound(comm):
 
 
 @pytest.mark.parametrize("max_norm", [1e-2, 1e3])  # clipping active, and not
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_clip_global_norm_equals_optax_clipping_before_tx(comm, max_norm):
   data = batches(comm.size, steps=4)
   sharded, _ = train(mnjax.shard_optimizer(optax.adam(1e-2), comm, clip_global_norm=max_norm),
@@ -150,6 +152,7 @@ def test_clip_global_norm_equals_optax_clipping_before_tx(comm, max_norm):
   assert same_on_every_rank(comm, sharded)
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_checkpoint_resumes_bitwise_on_the_same_ranks(comm):
   tx = optax.adam(1e-2)
   sharded = mnjax.shard_optimizer(tx, comm)
@@ -219,6 +222,7 @@ def test_checkpoint_resumes_on_another_number_of_ranks(comm, order):
   world.Barrier()
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_resharding_for_any_number_of_ranks_is_lossless():
   tx = optax.adam(1e-2)
   params = dict(init_params(), one=jnp.ones(1))  # a leaf whose share has its own shape
@@ -391,6 +395,7 @@ def test_a_home_made_global_norm_clip_is_refused_above_the_old_probes_range(comm
     sharded.init(init_params())
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_elementwise_optimizers_still_pass_the_probe_with_huge_gradients(comm):
   for tx in (optax.sgd(0.1, momentum=0.9), optax.adam(1e-2), optax.rmsprop(1e-3),
              optax.lion(1e-4), optax.adamw(1e-2, weight_decay=0.1)):

@@ -170,6 +170,7 @@ def test_a_trace_path_that_cannot_be_written_is_an_error_on_every_rank(comm, tmp
   assert not recorder.active()
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_the_train_loop_honours_mnjax_timeline_and_refuses_a_bad_one_before_any_step(
     comm, tmp_path, monkeypatch):
   digits = mnjax.data.load_digits("train")

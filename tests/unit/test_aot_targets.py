@@ -43,6 +43,7 @@ def test_unknown_gpu_or_topology_is_a_clear_error(spec, message):
 
 
 @pytest.mark.skipif(aot.plugin_installed(), reason="this venv has the CUDA plugin")
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_bench_without_the_plugin_says_how_to_install_it_in_one_line():
   out = subprocess.run([sys.executable, "-m", "lab.bench", "aot", "--quick"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)

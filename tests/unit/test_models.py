@@ -54,6 +54,7 @@ def train_apply(model):
                                                   mutable=["batch_stats"]))
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_cifar_resnet_updates_its_batch_statistics_and_zero_initialises_residual_scales(
     cifar_state):
   variables = variables_of(cifar_state)
@@ -88,6 +89,7 @@ def test_resnet_bn_momentum_zero_keeps_only_the_last_batch_statistics(cifar_stat
     assert same == forgets
 
 
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_a_resnet_state_carries_batch_statistics_that_train_steps_update_and_eval_reads(
     cifar_state):
   x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype(np.float32)

@@ -55,6 +55,7 @@ def payloads(text: str) -> list[int]:
 
 
 @pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.slow  # over 1.5 s alone: the full suite runs it, the fast subset does not
 def test_flat_one_collective_per_layer_each_way_with_one_count(comm, masked):
   two = dataclasses.replace(comm, size=2)
   step, params = grad_step(functools.partial(mnjax.SyncBatchNorm, two), masked)
