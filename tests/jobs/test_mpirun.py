@@ -17,11 +17,14 @@ AT_3 = tuple(f"tests/distributed/{name}.py" for name in (
     "test_agreement", "test_collectives", "test_functions", "test_host", "test_host_collectives",
     "test_iterators", "test_preflight", "test_scatter_root", "test_shard",
     "test_shard_checkpoint", "test_sharding", "test_split", "test_wire"))
-# SyncBatchNorm over 3 replicas (an odd count), flat kind only: its multi-device cases cost
+# SyncBatchNorm over 3 replicas (an odd count), flat kind only: its statistics, gradients and
+# steps against the global batch, and its persistent averages. The multi-device kinds cost
 # minutes at 3 x 2 emulated devices on 2 cores and prove nothing 2 x 2 does not.
-BATCH_NORM_AT_3 = ("tests/distributed/test_batch_norm.py",
-                   "not (hierarchical or two_dimensional)"
-                   " and not test_outputs_and_gradients_equal_syncbatchnorm_and_the_global_batch")
+BATCH_NORM_AT_3 = tuple(f"tests/distributed/test_batch_norm.py::{name}" for name in (
+    "test_forward_statistics_and_gradients_equal_batch_norm_on_the_global_batch[flat]",
+    "test_sgd_steps_keep_replicas_identical_and_match_single_process[flat]",
+    "test_allreduce_persistent_averages_running_statistics",
+    "test_allreduce_persistent_mismatch_raises_on_every_rank"))
 
 
 def test_distributed_suite_under_mpirun_2():
@@ -31,11 +34,5 @@ def test_distributed_suite_under_mpirun_2():
 
 
 def test_distributed_suite_under_mpirun_3():
-  result = run_mpi(3, pytest_args(AT_3), timeout=900)
+  result = run_mpi(3, pytest_args(AT_3 + BATCH_NORM_AT_3), timeout=900)
   assert_every_rank_passed(result, 3)
-
-
-def test_batch_norm_over_3_replicas():
-  path, select = BATCH_NORM_AT_3
-  result = run_mpi(3, pytest_args((path,), select=select), timeout=600)
-  assert_every_rank_passed(result, 3, at_least=3)
