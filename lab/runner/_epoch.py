@@ -23,7 +23,7 @@ from lab.runner._preemption import Preempted, PreemptionSignals
 from lab.runner._profile import StepProfiler
 from lab.runner._run_config import RunConfig
 from mnjax.comm._communicator import Communicator
-from mnjax.guard._timeline import Timeline
+from mnjax.guard import Timeline
 from mnjax.guard._watchdog import Watchdog
 from mnjax.optim._nonfinite import raise_if_diverging
 from mnjax.train._pending import flush_pending

@@ -1,9 +1,9 @@
 """A trace of `mnjax.guard.Timeline` drawn as one PNG: a row per rank, a few steps wide.
 
-Each rank's row is its phase track (`mnjax.guard._trace`): compute, the wait for the last
-peer, and the exchange, in three colours; dashed lines mark where steps start on rank 0, and
-each step is labelled. The waits show at a glance who everybody waits for: the straggler's
-row has almost none, and the others wait at the collectives it arrives late to.
+Each rank's row is its phase track (`mnjax/guard/_timeline/_trace.py`): compute, the wait
+for the last peer, and the exchange, in three colours; dashed lines mark where steps start on
+rank 0, and each step is labelled. The waits show at a glance who everybody waits for: the
+straggler's row has almost none, and the others wait at the collectives it arrives late to.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from mpi4py import MPI
 from mnjax.comm import _failfast as failfast
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._instep import _native as native
-from mnjax.guard import _straggler as straggler
 from mnjax.guard import _timeline as timeline
+from mnjax.guard._timeline import _straggler as straggler
 
 __all__ = ["Watchdog"]
 

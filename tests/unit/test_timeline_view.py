@@ -6,8 +6,8 @@ import json
 import pytest
 
 from lab.timeline import __main__ as cli
-from mnjax.guard import _straggler as straggler
-from mnjax.guard._trace import trace_events
+from mnjax.guard._timeline import _straggler as straggler
+from mnjax.guard._timeline._trace import trace_events
 
 MS = 1_000_000
 

@@ -22,7 +22,7 @@ def _x(name, cat, pid, tid, start, end, base, **args):
 
 def trace_events(per_rank: list[list[dict]], steps_by_rank: list[dict],
                  epochs_by_rank: list[list[tuple]]) -> list[dict]:
-  """The trace events of every rank's collectives (`mnjax.guard._straggler.collectives`),
+  """The trace events of every rank's collectives (`_straggler.collectives`),
   steps (step -> (start, end) ns) and epochs ((epoch, start, end) ns), times aligned.
 
   Example:

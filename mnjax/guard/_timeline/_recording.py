@@ -1,9 +1,9 @@
 """Timeline: every collective on every rank, on one time axis, as one Chrome/Perfetto trace.
 
 `Timeline` switches on the recording in `mnjax.comm._instep._recorder`, aligns every rank's
-clock to rank 0's (`mnjax.guard._clock`, refreshed at each `end_epoch`), gathers the events to
+clock to rank 0's (`_clock`, refreshed at each `end_epoch`), gathers the events to
 rank 0 at each epoch's end and at `close`, splits each collective into wait and exchange
-(`mnjax.guard._straggler`), and rank 0 writes one trace JSON (`mnjax.guard._trace`).
+(`_straggler`), and rank 0 writes one trace JSON (`_trace`).
 ``MNJAX_TIMELINE=path`` makes `lab.runner.train_loop` open one. Off, nothing is traced into
 a step; beyond ``max_events`` the oldest steps are dropped, and the trace says so.
 """
@@ -19,9 +19,9 @@ import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._instep import _recorder as recorder
-from mnjax.guard import _straggler as straggler
-from mnjax.guard._clock import estimate_offsets
-from mnjax.guard._trace import trace_events
+from mnjax.guard._timeline import _straggler as straggler
+from mnjax.guard._timeline._clock import estimate_offsets
+from mnjax.guard._timeline._trace import trace_events
 
 __all__ = ["ENV", "Timeline", "from_env", "last_report"]
 
