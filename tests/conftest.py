@@ -16,7 +16,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One persistent compilation cache for the whole run, inherited by every mpirun job it
 # launches: the ResNet jobs compile the same steps several times (start, resume).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="mnjax-jax-cache-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the outermost session makes it
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mnjax-jax-cache-")
 # lab/ is not installed: every process a test starts imports it from the checkout.
 _REPO = str(Path(__file__).resolve().parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join(

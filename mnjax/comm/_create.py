@@ -22,6 +22,7 @@ from mnjax.comm import _launcher as launcher
 from mnjax.comm import _process_view as process_view
 from mnjax.comm._communicator import KINDS, Communicator, assemble
 from mnjax.comm._instep import _compat as compat
+from mnjax.comm._instep import _native as native
 from mnjax.comm._topology import node_split, node_topology
 
 __all__ = ["create_communicator", "resolve_kind"]
@@ -153,7 +154,8 @@ def create_communicator(
   *i*), and ``jax_default_device`` is set: call it before any other JAX call. Under the MPI
   kinds use ``comm.rank``/``comm.size``, not ``jax.process_index()``/``process_count()``
   (ranks but 0 warn once per calling line). ``MNJAX_EMULATE_NODES=k`` splits the ranks into
-  ``k`` emulated nodes.
+  ``k`` emulated nodes. ``MNJAX_WAIT_TIMEOUT=s`` bounds an in-step send or recv (default
+  300 s): past it, or when the peer finished its program, the job ends naming both ranks.
 
   Returns:
     A frozen, hashable `Communicator`.
@@ -185,6 +187,7 @@ def create_communicator(
   clone = mpi_comm.Clone()
   # Registered before jax.distributed starts, so at exit it runs after jax's shutdown.
   departures.announce()
+  devices_lib.agree(clone, native.wait_timeout)  # MNJAX_WAIT_TIMEOUT, refused on every rank
   resolved = devices_lib.agree(clone, resolve_kind, kind)
   _check_same_kind(clone.allgather((kind, resolved)))
   kind = resolved

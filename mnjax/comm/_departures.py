@@ -16,9 +16,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["announce", "departed"]
+__all__ = ["TAG", "announce", "departed"]
 
-_TAG = 7302
+#: The tag of the exit notices on MPI_COMM_WORLD (the native handlers probe for it too).
+TAG = 7302
 _lock = threading.Lock()
 _gone: set[int] = set()  # ranks of MPI_COMM_WORLD known to have finished
 _registered = False
@@ -49,7 +50,7 @@ def _notify() -> None:
 def _send_and_collect() -> None:
   world = MPI.COMM_WORLD
   me = np.array([world.Get_rank()], np.int64)
-  requests = [world.Isend(me, dest=peer, tag=_TAG)
+  requests = [world.Isend(me, dest=peer, tag=TAG)
               for peer in range(world.Get_size()) if peer != world.Get_rank()]
   MPI.Request.Waitall(requests)  # 8 bytes each: complete locally (eager), received or not
   # Take in the peers' notices before MPI_Finalize: left unreceived, xla jobs died at exit.
@@ -67,9 +68,9 @@ def _receive() -> set[int]:
   world = MPI.COMM_WORLD
   with _lock:
     status = MPI.Status()
-    while world.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG, status=status):
+    while world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
       message = np.empty(1, np.int64)
-      world.Recv(message, source=status.Get_source(), tag=_TAG)
+      world.Recv(message, source=status.Get_source(), tag=TAG)
       _gone.add(int(message[0]))
     return set(_gone)
 

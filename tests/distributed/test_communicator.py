@@ -225,3 +225,11 @@ def test_a_single_process_does_not_warn():
     assert mnjax.create_communicator("flat", MPI.COMM_SELF).size == 1
     if MPI.COMM_WORLD.size == 1:  # nothing is watched: JAX's view is the job's
       assert (jax.process_index(), jax.process_count()) == (0, 1)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_a_bad_wait_bound_is_refused_at_creation_on_every_rank(comm, monkeypatch, value):
+  monkeypatch.setenv("MNJAX_WAIT_TIMEOUT", value)
+  with pytest.raises(ValueError, match=f"MNJAX_WAIT_TIMEOUT must be a number of seconds > 0,"
+                                       f" got '{value}'"):
+    mnjax.create_communicator("flat")

@@ -36,3 +36,20 @@ def test_the_classifier_tells_the_outcomes_apart():
   assert classify(1, one + "[rank 1] ValueError: broadcast: other words\n", 2) == "one rank"
   assert classify(1, "Fatal error in PMPI_Allreduce: Message truncated\n", 2) == "unclear"
   assert classify(1, one, 2, leaving=1) == "clear"
+
+
+@pytest.mark.parametrize("case, limit, says", [
+    ("peer_finished", "30", "waits in an in-step recv with rank 1 (world rank 1, tag 0), but"
+                            " rank 1 finished its program (exited normally)"),
+    ("peer_stalls", "3", "waited 3 s in an in-step recv with rank 1 (world rank 1, tag 0),"
+                         " which has not done its part"),
+])
+def test_an_in_step_recv_that_cannot_complete_ends_the_job_naming_the_peer(case, limit, says):
+  """The in-step wait polls: a peer that exited ends it after a 2 s grace, one that stays
+  silent after MNJAX_WAIT_TIMEOUT (tests/support/instep_waits.py)."""
+  start = time.monotonic()
+  result = run_mpi(2, ["tests/support/instep_waits.py", case], timeout=60,
+                   env={"MNJAX_WAIT_TIMEOUT": limit})
+  assert result.returncode != 0 and says in result.stdout, result.stdout[-4000:]
+  assert "rank 0: returned normally" not in result.stdout
+  assert time.monotonic() - start < 30, result.stdout[-4000:]

@@ -17,8 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["LIBRARY", "SOURCE", "TARGETS", "allreduce_calls", "build", "collective_counts",
-           "handlers", "is_stale", "register"]
+__all__ = ["DEFAULT_WAIT_TIMEOUT", "LIBRARY", "SOURCE", "TARGETS", "WAIT_TIMEOUT_ENV",
+           "allreduce_calls", "build", "collective_counts", "configure_waits", "handlers",
+           "is_stale", "register", "wait_timeout"]
 
 
 def _abi_suffix() -> str:
@@ -137,10 +138,45 @@ def handlers() -> dict:
   return {name: ffi.pycapsule(getattr(lib, name)) for name in TARGETS}
 
 
+#: The environment variable that bounds an in-step point-to-point wait, in seconds.
+WAIT_TIMEOUT_ENV = "MNJAX_WAIT_TIMEOUT"
+#: Its default: a peer that has not done its part of a send or recv after this long ends the job.
+DEFAULT_WAIT_TIMEOUT = 300.0
+
+
+def wait_timeout() -> float:
+  """The bound on an in-step point-to-point wait: ``MNJAX_WAIT_TIMEOUT`` or 300 s.
+
+  Example:
+    >>> mnjax.comm._instep._native.wait_timeout() > 0
+    True
+  """
+  raw = os.environ.get(WAIT_TIMEOUT_ENV, "")
+  try:
+    value = float(raw) if raw else DEFAULT_WAIT_TIMEOUT
+  except ValueError:
+    value = -1.0
+  if not value > 0:
+    raise ValueError(f"{WAIT_TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}.")
+  return value
+
+
+def configure_waits() -> None:
+  """Hands the native handlers their wait bound and the tag of the exit notices, so that an
+  in-step send or recv whose peer finished or never comes ends the job with a named error."""
+  from mnjax.comm import _departures as departures  # noqa: PLC0415 (mpi4py only when used)
+
+  fn = _library().mnjax_configure_waits
+  fn.argtypes = [ctypes.c_double, ctypes.c_int64]
+  fn(wait_timeout(), departures.TAG)
+
+
 @functools.cache
 def register() -> None:
   """Registers every handler with XLA:CPU once per process (before a lowering names one)."""
   from jax import ffi  # noqa: PLC0415 (the counters and is_stale work without importing jax)
+
+  configure_waits()
 
   for name, capsule in handlers().items():
     ffi.register_ffi_target(name, capsule, platform="cpu")

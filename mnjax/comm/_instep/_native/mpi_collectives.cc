@@ -20,6 +20,10 @@
 // (mnjax.comm._instep._recorder's id for "bucket k of the gradient allreduce", ...), and exist so
 // that a step traced without a timeline lowers exactly as before.
 //
+// Waits: send and recv post non-blocking MPI calls and poll them (AwaitPeer), so a peer that
+// finished its program or never comes ends the job with a named error instead of a hang
+// (docs/design/functions.md, "Waits that cannot complete").
+//
 // MPI handles arrive as int64 attributes (mpi4py's handle values), converted with memcpy so
 // both integer (MPICH) and pointer (Open MPI) handle types work. Built by
 // `python -m mnjax.native` with the MPI compiler wrapper.
@@ -127,6 +131,89 @@ void AbortOnError(int ierr, MPI_Comm comm, const char* what) {
   MPI_Abort(comm, ierr);
 }
 
+// How long an in-step point-to-point wait may last, and the tag of the exit notices
+// (mnjax.comm._departures), both set from Python by `mnjax_configure_waits`.
+std::atomic<double> wait_limit_s{300.0};
+std::atomic<int> departure_tag{-1};
+
+int RankOf(MPI_Comm c) {
+  int rank = -1;
+  MPI_Comm_rank(c, &rank);
+  return rank;
+}
+
+// The world rank of `rank` of `c`.
+int WorldRank(MPI_Comm c, int rank) {
+  MPI_Group group, world;
+  MPI_Comm_group(c, &group);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  int out = MPI_UNDEFINED;
+  MPI_Group_translate_ranks(group, 1, &rank, world, &out);
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  return out;
+}
+
+// Whether world rank `source`'s exit notice has arrived (left in the queue for Python).
+bool Departed(int source) {
+  int tag = departure_tag.load(std::memory_order_relaxed);
+  if (tag < 0 || source == MPI_UNDEFINED) return false;
+  int flag = 0;
+  MPI_Iprobe(source, tag, MPI_COMM_WORLD, &flag, MPI_STATUS_IGNORE);
+  return flag != 0;
+}
+
+// Completes `request` of an in-step exchange with `peer` of `c`, polling: a peer that finished
+// its program (its exit notice arrived) or a wait past `wait_limit_s` ends the whole job with
+// a message that names this rank, what it waits in, the peer, and the fix.
+// `status` (may be MPI_STATUS_IGNORE) receives the completed request's status.
+void AwaitPeer(MPI_Request* request, MPI_Status* status, MPI_Comm c, const char* what, int peer,
+               int64_t tag) {
+  using Clock = std::chrono::steady_clock;
+  auto start = Clock::now();
+  auto next_check = start + std::chrono::milliseconds(50);
+  Clock::time_point gone_since{};
+  bool gone = false;
+  const int world_peer = WorldRank(c, peer);
+  for (;;) {
+    int done = 0;
+    AbortOnError(MPI_Test(request, &done, status), c, what);
+    if (done) return;
+    auto now = Clock::now();
+    if (now < next_check) continue;
+    next_check = now + std::chrono::milliseconds(10);
+    double waited = std::chrono::duration<double>(now - start).count();
+    if (!gone && (gone = Departed(world_peer))) gone_since = now;
+    // The peer may have done its part of this very exchange just before it left: 2 s grace.
+    bool departed = gone && std::chrono::duration<double>(now - gone_since).count() > 2.0;
+    double limit = wait_limit_s.load(std::memory_order_relaxed);
+    if (!departed && waited <= limit) continue;
+    int me = RankOf(c);
+    if (departed) {
+      std::fprintf(stderr,
+                   "mnjax: rank %d (world rank %d) waits in an in-step %s with rank %d (world rank"
+                   " %d, tag %lld), but rank %d finished its program (exited normally): the"
+                   " exchange can never complete. The ranks must run the same steps: look for a"
+                   " loop, a condition or a stage list that differs between ranks. Aborting the"
+                   " job.\n",
+                   me, WorldRank(c, me), what, peer, world_peer, static_cast<long long>(tag),
+                   peer);
+    } else {
+      std::fprintf(stderr,
+                   "mnjax: rank %d (world rank %d) waited %.0f s in an in-step %s with rank %d"
+                   " (world rank %d, tag %lld), which has not done its part: it is stuck, or runs"
+                   " another program (a send without its recv, another order of stages). Make"
+                   " every send meet its recv in the same order on both ranks, or raise the limit"
+                   " with MNJAX_WAIT_TIMEOUT=<seconds> if the peer is only slow. Aborting the"
+                   " job.\n",
+                   me, WorldRank(c, me), waited, what, peer, world_peer,
+                   static_cast<long long>(tag));
+    }
+    std::fflush(stderr);
+    MPI_Abort(c, 1);
+  }
+}
+
 ffi::Error CheckCount(int64_t count) {
   if (count > INT_MAX) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -225,10 +312,12 @@ ffi::Error Send(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi::A
   if (auto e = CheckCount(count); e.failure()) return e;
   MPI_Comm c = FromInt<MPI_Comm>(comm);
   Counted counted;
-  AbortOnError(MPI_Send(operand.untyped_data(), static_cast<int>(count),
-                        FromInt<MPI_Datatype>(dtype), static_cast<int>(peer),
-                        static_cast<int>(tag), c),
-               c, "MPI_Send");
+  MPI_Request request;
+  AbortOnError(MPI_Isend(operand.untyped_data(), static_cast<int>(count),
+                         FromInt<MPI_Datatype>(dtype), static_cast<int>(peer),
+                         static_cast<int>(tag), c, &request),
+               c, "MPI_Isend");
+  AwaitPeer(&request, MPI_STATUS_IGNORE, c, "send", static_cast<int>(peer), tag);
   Zero(done);
   return ffi::Error::Success();
 }
@@ -240,9 +329,11 @@ ffi::Error Recv(ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> result, int64_
   MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
   MPI_Status status;
   Counted counted;
-  AbortOnError(MPI_Recv(result->untyped_data(), static_cast<int>(count), t,
-                        static_cast<int>(peer), static_cast<int>(tag), c, &status),
-               c, "MPI_Recv");
+  MPI_Request request;
+  AbortOnError(MPI_Irecv(result->untyped_data(), static_cast<int>(count), t,
+                         static_cast<int>(peer), static_cast<int>(tag), c, &request),
+               c, "MPI_Irecv");
+  AwaitPeer(&request, &status, c, "recv", static_cast<int>(peer), tag);
   int got = 0;
   MPI_Get_count(&status, t, &got);
   if (got != count) {  // the pre-flight pairs shapes: only a bypassed check gets here
@@ -252,12 +343,6 @@ ffi::Error Recv(ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> result, int64_
     MPI_Abort(c, 1);
   }
   return ffi::Error::Success();
-}
-
-int RankOf(MPI_Comm c) {
-  int rank = -1;
-  MPI_Comm_rank(c, &rank);
-  return rank;
 }
 
 ffi::Error Bcast(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> result,
@@ -371,6 +456,11 @@ extern "C" int64_t mnjax_timeline_drain(Event* out, int64_t max, uint64_t* curso
 }
 
 extern "C" int64_t mnjax_timeline_now() { return NowNs(); }
+
+extern "C" void mnjax_configure_waits(double limit_s, int64_t tag) {
+  wait_limit_s.store(limit_s, std::memory_order_relaxed);
+  departure_tag.store(static_cast<int>(tag), std::memory_order_relaxed);
+}
 
 extern "C" int64_t mnjax_allreduce_calls() { return completed_allreduces.load(); }
 extern "C" int64_t mnjax_collectives_entered() { return entered_collectives.load(); }

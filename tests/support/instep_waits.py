@@ -1,0 +1,46 @@
+"""Jobs whose in-step point-to-point exchange can never complete (`python instep_waits.py
+CASE`, 2 ranks): each must end the job naming the ranks, not hang.
+
+- ``peer_finished``: rank 1 runs one step fewer of a send/recv loop and exits normally while
+  rank 0 waits in its recv;
+- ``peer_stalls``: rank 1 sends once and then sleeps (alive, not exiting) while rank 0 waits
+  in a second recv: ended by the wait bound, ``MNJAX_WAIT_TIMEOUT``.
+"""
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import mnjax
+
+
+def peer_finished(comm) -> None:
+  like = jax.ShapeDtypeStruct((4,), jnp.float32)
+  if comm.rank == 0:
+    step = jax.jit(lambda: mnjax.functions.recv(comm, 1, like))
+    steps = 3
+  else:
+    step = jax.jit(lambda x: mnjax.functions.send(x, comm, 0))
+    steps = 2
+  for i in range(steps):
+    jax.block_until_ready(step() if comm.rank == 0 else step(jnp.full(4, float(i))))
+    print(f"rank {comm.rank}: step {i} done", flush=True)
+
+
+def peer_stalls(comm) -> None:
+  like = jax.ShapeDtypeStruct((4,), jnp.float32)
+  if comm.rank == 0:
+    step = jax.jit(lambda: mnjax.functions.recv(comm, 1, like))
+    for _ in range(2):
+      jax.block_until_ready(step())
+  else:
+    jax.block_until_ready(jax.jit(lambda x: mnjax.functions.send(x, comm, 0))(jnp.ones(4)))
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+  comm = mnjax.create_communicator("flat")
+  {"peer_finished": peer_finished, "peer_stalls": peer_stalls}[sys.argv[1]](comm)
+  print(f"rank {comm.rank}: returned normally", flush=True)
