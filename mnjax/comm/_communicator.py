@@ -208,14 +208,14 @@ def check_communicator(comm: Any, caller: str) -> Communicator:
     >>> check_communicator(None, "allreduce_gradients")
     Traceback (most recent call last):
     ...
-    TypeError: allreduce_gradients needs an mnjax Communicator as its first argument, ...
+    TypeError: allreduce_gradients needs an mnjax Communicator as its `comm`, got NoneType ...
   """
   if not isinstance(comm, Communicator):
     raise TypeError(
-        f"{caller} needs an mnjax Communicator as its first argument, got"
-        f" {type(comm).__name__} ({comm!r}). Build one once per process, on every rank:"
-        " `comm = mnjax.create_communicator('flat')`, then pass it:"
-        f" `{caller}(comm, ...)`."
+        f"{caller} needs an mnjax Communicator as its `comm`, got {type(comm).__name__}"
+        f" ({comm!r}). Build one once per process, on every rank:"
+        " `comm = mnjax.create_communicator('flat')`, and pass it where"
+        f" {caller}'s signature names `comm` (help({caller.rsplit('.', 1)[-1]}))."
     )
   return comm
 

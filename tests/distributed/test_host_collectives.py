@@ -90,6 +90,16 @@ def test_bad_input_is_the_same_error_on_every_rank(comm, case):
   assert comm.allgather(np.ones(1))[0].tolist() == [1.0]  # nothing left in flight
 
 
+def test_objects_that_do_not_add_up_are_named_by_rank_on_every_rank(comm):
+  if comm.size == 1:
+    pytest.skip(MULTI)
+  last = comm.size - 1
+  with pytest.raises(TypeError, match=rf"allreduce_obj: rank {last}'s object cannot be added.*"
+                                      rf"rank 0: int, .*rank {last}: str"):
+    comm.allreduce_obj("x" if comm.rank == last else 1)
+  assert comm.allreduce_obj(1) == comm.size  # nothing left in flight
+
+
 @pytest.mark.parametrize("case", ["roots", "shapes", "dtypes", "operations", "limits"])
 def test_ranks_that_disagree_are_named_on_every_rank(comm, case, monkeypatch):
   if comm.size == 1:

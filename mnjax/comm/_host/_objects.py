@@ -9,8 +9,6 @@ every rank before any byte moves.
 
 from __future__ import annotations
 
-import functools
-import operator
 import pickle
 from typing import Any
 
@@ -139,4 +137,15 @@ def allreduce_obj(obj: Any, comm: Any) -> Any:
     >>> comm.allreduce_obj([comm.rank]) == list(range(comm.size))
     True
   """
-  return functools.reduce(operator.add, _allgathered(obj, comm, "allreduce_obj", None))
+  every = _allgathered(obj, comm, "allreduce_obj", None)
+  total = every[0]
+  for rank, value in enumerate(every[1:], start=1):
+    try:
+      total = total + value
+    except TypeError as error:  # the same on every rank: each holds every rank's object
+      kinds = ", ".join(f"rank {r}: {type(v).__name__}" for r, v in enumerate(every))
+      raise TypeError(
+          f"allreduce_obj: rank {rank}'s object cannot be added to the sum of the ranks before"
+          f" it ({error}); the ranks passed {kinds}. Pass objects of one type that `+`"
+          " combines (numbers, arrays, lists, collections.Counter) on every rank.") from None
+  return total
