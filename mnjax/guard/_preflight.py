@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._host._agreement import gather_if_different
+from mnjax.comm._host._agreement import gather_if_different, group_note
 from mnjax.comm._host._signature import tree_signature
 from mnjax.comm._instep._sequence import note_collective, recording
 from mnjax.guard import _pairing as pairing
@@ -58,7 +58,7 @@ def check_same_on_all_ranks(comm: Communicator, what: str, signature: Any, *,
           " traced on some ranks only (e.g. jax.eval_shape on rank 0) cannot exchange"
           " anything. Raise the timeout if start-up is slower than this."))
   if signatures is not None:
-    raise ValueError(describe_mismatch(signatures, what, caller))
+    raise ValueError(describe_mismatch(signatures, what, caller) + group_note(comm.mpi_comm))
 
 
 def describe_mismatch(signatures: list[Any], what: str, caller: str) -> str:
@@ -152,7 +152,7 @@ def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
   if everyone is not None and pairing.involved(everyone):  # a model-parallel step
     pairing.check_exchanges(everyone, comm.mpi_comm, caller=caller)
   elif everyone is not None:
-    raise ValueError(describe_sequences(everyone, caller))
+    raise ValueError(describe_sequences(everyone, caller) + group_note(comm.mpi_comm))
   agreed.add(sequence)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._host._agreement import gather_if_different
+from mnjax.comm._host._agreement import gather_if_different, group_note
 
 __all__ = ["Program", "check_same_program", "describe_programs", "program_of",
            "rank_dependent", "user_collectives"]
@@ -285,7 +285,8 @@ def check_same_program(comm: Communicator, closed: jcore.ClosedJaxpr, *, caller:
                          what=f"{caller}'s check of {what}") is None:
     return
   programs = comm.mpi_comm.allgather(program_of(closed, arg_paths, sources=True))
-  raise ValueError(describe_programs(programs, caller=caller, what=what, fix=fix))
+  raise ValueError(describe_programs(programs, caller=caller, what=what, fix=fix)
+                   + group_note(comm.mpi_comm))
 
 
 def describe_programs(programs: list[Program], *, caller: str, what: str = "the step",

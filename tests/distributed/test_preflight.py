@@ -109,3 +109,17 @@ def test_message_for_each_case_names_leaf_and_ranks():
 def test_timeout_must_be_positive(comm):
   with pytest.raises(ValueError, match="preflight_timeout must be a positive number"):
     mnjax.allreduce_gradients(comm, preflight_timeout=0)
+
+
+def test_a_group_names_the_world_rank_of_each_of_its_ranks(comm):
+  """Over a communicator split from the job's (here in reverse order), the message numbers the
+  group's ranks and says which rank of the job each one is."""
+  if comm.size == 1:
+    pytest.skip("needs ranks that disagree (runs under mpirun)")
+  group = comm.split(0, key=comm.size - comm.rank)  # group rank r is world rank size - 1 - r
+  odd = group.rank == group.size - 1  # world rank 0
+  tx = optax.chain(mnjax.allreduce_gradients(group), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=rf"rank {group.size - 1} vs rank 0: .*"
+                                       rf"rank 0 is world rank {comm.size - 1}, .*"
+                                       rf"rank {group.size - 1} is world rank 0\.\)"):
+    run_step(tx, build(CASES["shape"][0] if odd else REFERENCE))

@@ -20,9 +20,10 @@ from mpi4py import MPI
 from mnjax.comm._host._signature import tree_containers, tree_signature
 from mnjax.comm._host._wait import wait
 from mnjax.comm._instep import _recorder as recorder
+from mnjax.comm._instep._entry_tag import world_ranks
 
 __all__ = ["array_signature", "check_call", "check_rank", "check_same_operation",
-    "check_same_tree", "describe_root", "everyone", "gather_if_different", "listed",
+    "check_same_tree", "describe_root", "everyone", "gather_if_different", "group_note", "listed",
     "ranks_text", "to_dtype"]
 
 _HASH_BYTES = 16
@@ -167,6 +168,22 @@ def to_dtype(name: str) -> np.dtype:
     2
   """
   return np.dtype(jnp.dtype(name))
+
+
+def group_note(mpi_comm: Any) -> str:
+  """'' when `mpi_comm`'s ranks are the job's own; otherwise which world rank each of its
+  ranks is, for a message that numbers the ranks of a group (a data or model communicator).
+
+  Example:
+    >>> group_note(MPI.COMM_WORLD)
+    ''
+  """
+  world = world_ranks(mpi_comm)
+  if world == tuple(range(len(world))):
+    return ""
+  shown = ", ".join(f"rank {r} is world rank {w}" for r, w in enumerate(world[:16]))
+  return (f" (The ranks above count the {len(world)} ranks of a group of the job's"
+          f" {MPI.COMM_WORLD.Get_size()}: {shown}{', ...' if len(world) > 16 else ''}.)")
 
 
 def ranks_text(ranks: list[int]) -> str:
