@@ -64,6 +64,11 @@ class StepCheck:
     if comm is not None and all(c is not comm for c in self.comms):
       self.comms.append(comm)
 
+  def join(self, comm: Communicator) -> None:
+    """Makes the check run over `comm` too, with no entry (a rank with nothing to exchange)."""
+    if all(c is not comm for c in self.comms):
+      self.comms.append(comm)
+
   def run(self) -> None:
     """Checks the sequence across the ranks once; a failure is raised again at each call."""
     with self._lock:

@@ -36,7 +36,7 @@ from mnjax.functions import _trace_check as trace_check
 from mnjax.guard import _pairing as pairing
 
 __all__ = ["OUTSIDE", "ExchangeEffect", "check_only", "dry", "exchange_p", "issue", "peer_world",
-           "record", "world_group"]
+           "record", "take_part", "world_group"]
 
 
 class ExchangeEffect(KEPT_EFFECT_BASE):
@@ -176,6 +176,22 @@ def check_only(check: trace_check.StepCheck | None) -> None:
   """
   if check is not None:
     _check_p.bind(np.zeros((), np.float32), check=check)
+
+
+def take_part(comm: Communicator) -> None:
+  """Makes this rank's plain ``jax.jit`` step take part in the pairing check over `comm`
+  although it exchanges nothing (a `MultiNodeChain` rank that holds no stage), so that the
+  ranks that do exchange are not left waiting in the check for it. Nothing eagerly or under
+  `mnjax.functions.jit`, whose check every rank of its communicator joins.
+
+  Example:
+    >>> take_part(comm)   # outside any traced step: nothing to do
+  """
+  if sequence.recording_open() or outermost_trace() is None:
+    return
+  check = trace_check.current()
+  check.join(comm)
+  check_only(check)
 
 
 def _abstract(*operands, shape, dtype, **_):

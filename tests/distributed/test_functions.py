@@ -454,3 +454,28 @@ def test_multi_device_kinds_are_refused(comm):
     F.allgather(jnp.ones(2), hierarchical)
   with pytest.raises(ValueError, match="kind 'flat'"):
     F.jit(lambda x: x, hierarchical)
+
+
+@multi_rank
+def test_a_chain_rank_that_holds_no_stage_runs_under_plain_jit(comm):
+  """A MultiNodeChain over ranks 0 and 1, every rank's step under plain ``jax.jit``: a rank
+  that holds no stage (from 3 ranks up) takes part in the step's check instead of leaving
+  the others waiting in it; the stages' gradients equal the whole chain's in one process."""
+  import flax.linen as nn
+
+  chain = mnjax.model_parallel.MultiNodeChain(comm, [(nn.Dense(4), 0), (nn.Dense(2), 1)])
+  x, y = jnp.linspace(-1.0, 1.0, 15).reshape(3, 5), jnp.zeros((3, 2))
+
+  def loss(out, target):
+    return jnp.mean((out - target) ** 2)
+
+  everything = chain.init_all(jax.random.key(0), x)
+  params = {k: everything[k] for k in chain.init(jax.random.key(0), x)}
+  step = jax.jit(jax.grad(lambda p: chain.loss(p, x, y, loss)))
+  for _ in range(2):  # the second call runs the compiled step again: nothing left to check
+    grads = jax.block_until_ready(step(params))
+  whole = jax.grad(lambda p: loss(chain.apply_all(p, x), y))(everything)
+  assert sorted(grads) == [f"stage_{s}" for s in chain.own_stages]
+  for key, value in grads.items():
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 value, whole[key])
