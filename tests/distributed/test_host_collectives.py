@@ -139,3 +139,25 @@ def test_point_to_point_arguments_are_checked(comm):
   elif comm.rank == 1:
     with pytest.raises(TypeError, match="sent a pickled object .send_obj. with tag 3"):
       comm.recv(0, tag=3)
+
+
+def test_a_send_and_recv_that_cannot_match_end_in_a_timeout_naming_both(comm, monkeypatch):
+  """Rank 0 sends with tag 1, rank 1 waits for tag 2: both waits are bounded
+  (``MNJAX_WAIT_TIMEOUT``), and the receiver names the tag that did come."""
+  if comm.size == 1:
+    pytest.skip(MULTI)
+  monkeypatch.setenv("MNJAX_WAIT_TIMEOUT", "2")
+  pair = comm.split(0 if comm.rank < 2 else None)  # its own messages: nothing leaks
+  if pair is None:
+    return
+  if pair.rank == 0:
+    with pytest.raises(TimeoutError, match=r"send_obj: rank 0 waited 2 s for rank 1 to receive"
+                                           r" its message \(tag 1\)"):
+      pair.send_obj("x", dest=1, tag=1)
+  else:
+    with pytest.raises(TimeoutError, match=r"recv_obj: rank 1 waited 2 s for a message from"
+                                           r" rank 0 \(tag 2\).*sent one with tag 1"):
+      pair.recv_obj(source=0, tag=2)
+  pair.mpi_comm.barrier()  # both waits ended on their own
+  if pair.rank == 1:
+    pair.mpi_comm.recv(source=0, tag=1)  # the unmatched header, taken raw (it has no payload)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from mnjax.comm._host._agreement import check_rank
 from mnjax.comm._host._wait import wait
+from mnjax.comm._instep import _native as native
 
 __all__ = [
     "MAX_MESSAGE_BYTES", "bcast_bytes", "check_peer", "check_tag", "exchange_bytes",
@@ -106,8 +107,14 @@ def send_message(comm: Any, kind: str, meta: Any, payload: np.ndarray, dest: int
   """
   limit = MAX_MESSAGE_BYTES
   header = comm.mpi_comm.issend((kind, meta, int(payload.size), limit), dest=dest, tag=tag)
+  limit_s = native.wait_timeout()
   wait(comm, header, f"{what} (to rank {dest}, tag {tag}, waiting for its receive)",
-       peers=[dest])
+       peers=[dest], timeout=limit_s, timeout_message=(
+           f"{what}: rank {comm.rank} waited {limit_s:.0f} s for rank {dest} to receive its"
+           f" message (tag {tag}), and rank {dest} took none. Make every send meet a recv"
+           f" on the destination with the same tag (recv_obj's default takes any tag), or"
+           f" raise the limit with {native.WAIT_TIMEOUT_ENV}=<seconds> if rank {dest} is"
+           " only slow."))
   for piece in pieces(payload.size, limit):
     comm.mpi_comm.Send(payload[piece], dest=dest, tag=tag)
 
@@ -136,7 +143,21 @@ def recv_message(comm: Any, source: int, tag: int, what: str
   """
   probe = _Probe(comm.mpi_comm, source, tag)
   shown = "any tag" if tag == MPI.ANY_TAG else f"tag {tag}"
-  wait(comm, probe, f"{what} (from rank {source}, {shown})", peers=[source])
+  limit_s = native.wait_timeout()
+  try:
+    wait(comm, probe, f"{what} (from rank {source}, {shown})", peers=[source],
+         timeout=limit_s, timeout_message=f"{what}: rank {comm.rank} waited {limit_s:.0f} s")
+  except TimeoutError:
+    other = MPI.Status()
+    pending = comm.mpi_comm.iprobe(source=source, tag=MPI.ANY_TAG, status=other)
+    raise TimeoutError(
+        f"{what}: rank {comm.rank} waited {limit_s:.0f} s for a message from rank {source}"
+        f" ({shown}), and none came"
+        + (f"; rank {source} sent one with tag {other.Get_tag()}, which this recv does not"
+           " take" if pending else "")
+        + ". Make every recv meet a send from its source with the same tag, or raise the"
+        f" limit with {native.WAIT_TIMEOUT_ENV}=<seconds> if rank {source} is only slow."
+    ) from None
   tag = probe.status.Get_tag()
   kind, meta, nbytes, limit = probe.message.recv()
   payload = np.empty(nbytes, np.uint8)
