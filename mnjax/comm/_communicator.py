@@ -8,6 +8,7 @@ Building one is collective (`create_communicator`, same arguments on every rank)
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from mpi4py import MPI
@@ -58,6 +59,9 @@ class Communicator:
       in-step collectives in flight together are never matched).
     device_comms: multi-device kinds: one clone per local device index ``i``.
     devices: the local JAX devices this process drives.
+    uid: the same random number on every rank of this communicator (rank 0's, broadcast at
+      creation), distinct between communicators: ranks order communicators of the same
+      ranks by it alike.
 
   Host-side methods as ChainerMN's (``split``, ``send``/``recv``, ``bcast``, ``gather``, ...,
   and ``*_obj`` variants) compare what every rank passed first and raise the same error on
@@ -84,6 +88,7 @@ class Communicator:
   device_comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
   device_comms: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
   devices: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
+  uid: int = dataclasses.field(default=0, compare=False, hash=False, repr=False)
 
   @property
   def num_replicas(self) -> int:
@@ -231,6 +236,7 @@ def assemble(kind: str, clone: MPI.Intracomm, topology: tuple[int, int, int, int
     True
   """
   intra_rank, intra_size, inter_rank, inter_size = topology
+  uid = clone.bcast(int.from_bytes(os.urandom(8), "little") if clone.rank == 0 else None)
   return Communicator(
       kind=kind,
       rank=clone.rank,
@@ -246,5 +252,6 @@ def assemble(kind: str, clone: MPI.Intracomm, topology: tuple[int, int, int, int
       device_comm=clone.Clone(),
       device_comms=tuple(clone.Clone() for _ in devices) if kind in MULTI_DEVICE_KINDS else (),
       devices=devices,
+      uid=uid,
   )
 

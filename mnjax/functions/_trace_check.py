@@ -90,10 +90,11 @@ class StepCheck:
       self._passed = True
 
   def _over(self) -> Communicator:
-    """The largest communicator used (ties: the lowest world ranks), if it holds the ranks
-    of every other one; else `ExchangeError`."""
+    """The largest communicator used (ties: the lowest world ranks, then the lowest `uid`,
+    the same on every rank whatever order it used them in), if it holds the ranks of every
+    other one; else `ExchangeError`."""
     groups = [(c, set(pairing.world_ranks(c.mpi_comm))) for c in self.comms]
-    for comm, group in sorted(groups, key=lambda cg: (-len(cg[1]), sorted(cg[1]))):
+    for comm, group in sorted(groups, key=lambda cg: (-len(cg[1]), sorted(cg[1]), cg[0].uid)):
       if all(other <= group for _, other in groups):
         return comm
     sizes = ", ".join(f"{c.size} ranks (world {sorted(g)})" for c, g in groups)

@@ -115,7 +115,8 @@ def issue(exchange: str, comm: Communicator, payload: Any, after: Any, *, shape:
   kind, peer, phase, note_shape, note_dtype = note
   check = record(
       comm, pairing.entry(label, kind, world_group(comm), phase=phase,
-                          peer=None if peer is None else peer_world(comm, peer)),
+                          peer=None if peer is None else peer_world(comm, peer),
+                          comm=comm.uid),
       note_shape, note_dtype)
   target, names = _TARGETS[exchange]
   operands = () if payload is None else (payload,)

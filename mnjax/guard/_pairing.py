@@ -41,6 +41,7 @@ class Exchange(NamedTuple):
   group: tuple[int, ...]  # world ranks taking part (a collective's members; a pair)
   shape: tuple
   dtype: str
+  comm: int | None = None  # the communicator's uid: exchanges pair over one communicator
 
 
 def parse(what: str, shape: tuple, dtype: str) -> Exchange | None:
@@ -55,7 +56,8 @@ def parse(what: str, shape: tuple, dtype: str) -> Exchange | None:
     return None
   group = tuple(int(g) for g in found["group"].split(",") if g)
   return Exchange(found["kind"], what[:found.start()], None if found["peer"] is None
-                  else int(found["peer"]), found["phase"], group, tuple(shape), dtype)
+                  else int(found["peer"]), found["phase"], group, tuple(shape), dtype,
+                  None if found["comm"] is None else int(found["comm"]))
 
 
 def involved(everyone: list[tuple]) -> bool:
@@ -201,6 +203,10 @@ class _Run:
       return (f"{where}: rank {r} {verb}, but rank {q}'s step has no exchange left"
               + (hint if e.phase == "gradient" else ""))
     if {e.kind, f.kind} == {"send", "recv"} and self.rank(f.peer) == r:
+      if e.comm != f.comm:
+        return (f"{where} meets rank {q}'s {_show(f, self)} over another communicator of the"
+                " same ranks (messages never cross communicators: each would wait for its"
+                " own). Send and receive over the same communicator object on both ranks")
       if e.phase != f.phase:
         return (f"{where} meets rank {q}'s {_show(f, self)}: one is an activation, the"
                 " other a gradient (one rank differentiates through the exchange, the other"
@@ -216,7 +222,8 @@ class _Run:
 
 def _pairs(send: Exchange, other: Exchange | None, sender_world: int) -> bool:
   return (other is not None and other.kind == "recv" and other.peer == sender_world
-          and (other.shape, other.dtype, other.phase) == (send.shape, send.dtype, send.phase))
+          and (other.shape, other.dtype, other.phase, other.comm)
+          == (send.shape, send.dtype, send.phase, send.comm))
 
 
 def _same(e: Exchange | None, f: Exchange) -> bool:

@@ -115,6 +115,17 @@ def _tree_differences(tree: tuple, ref: tuple) -> list[str]:
   return out
 
 
+_COLLECTIVES_LATE = (
+    "Every rank must run the same layers (a rank without any SyncBatchNorm layer in its"
+    " step, or one that does not call the step, leaves the others waiting).")
+_EXCHANGES_LATE = (
+    "Every rank of the communicator must trace the step (a rank with nothing to exchange"
+    " too). Under plain jax.jit, two steps built at one source line (closures of one"
+    " factory) share their agreed sequences, so a rank that traces the second with a"
+    " sequence agreed for the first opens no check and the others wait here: build such"
+    " steps with mnjax.functions.jit(step, comm).")
+
+
 def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
                               agreed: set | None = None,
                               timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -144,9 +155,8 @@ def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
       timeout=timeout, timeout_message=(
           f"{caller}: rank {comm.rank} waited {timeout:.0f} s for the other ranks to check"
           f" the {len(sequence)} in-step collective(s) of its step (the first:"
-          f" {_entry(sequence, 0)}), and not all of them came. Every rank must run the same"
-          " layers (a rank without any SyncBatchNorm layer in its step, or one that does not"
-          " call the step, leaves the others waiting)."))
+          f" {_entry(sequence, 0)}), and not all of them came. "
+          + (_EXCHANGES_LATE if pairing.involved([sequence]) else _COLLECTIVES_LATE)))
   if everyone is None and pairing.has_refusal(sequence):  # refused alike on every rank
     raise pairing.refusal_error(sequence, caller=caller)
   if everyone is not None and pairing.involved(everyone):  # a model-parallel step

@@ -479,3 +479,33 @@ def test_a_chain_rank_that_holds_no_stage_runs_under_plain_jit(comm):
   for key, value in grads.items():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  value, whole[key])
+
+
+@multi_rank
+@JITS
+def test_two_communicators_of_the_same_ranks_pair_each_over_its_own(comm, jit):
+  """Ranks 0 and 1 exchange over the job's communicator and over a split of it holding the
+  same ranks: a send meets the recv over the same communicator (it runs, on any rank order
+  of first use), and a recv over the other one is refused on every rank, never waited for."""
+  sub = comm.split(0)
+  like = jax.ShapeDtypeStruct((3,), jnp.float32)
+  x = jnp.arange(3.0)
+
+  def valid():
+    if comm.rank == 0:
+      return F.pseudo_connect(F.send(x, comm, 1), F.recv(sub, 1, like))
+    return F.send(F.recv(comm, 0, like) * 2.0, sub, 0)
+
+  run = (lambda fn: jit(fn, comm)()) if comm.rank < 2 else (lambda fn: idle(comm))
+  out = jax.block_until_ready(run(valid))
+  if comm.rank == 0:
+    np.testing.assert_array_equal(out, 2.0 * np.arange(3.0))
+
+  def crossed():  # rank 1 receives over the split what rank 0 sends over the job's
+    if comm.rank == 0:
+      return F.pseudo_connect(F.send(x, comm, 1), F.recv(sub, 1, like))
+    return F.send(F.recv(sub, 0, like), comm, 0)
+
+  with pytest.raises(preflight.pairing.ExchangeError,
+                     match="over another communicator of the same ranks"):
+    jax.block_until_ready(run(crossed))

@@ -16,19 +16,23 @@ __all__ = ["TAG", "entry", "world_ranks"]
 #: What `entry` appends, as the pairing check parses it.
 TAG = re.compile(
     r" <mnjax\.functions (?P<kind>send|recv|collective|refused)"
-    r"(?: peer=(?P<peer>\d+))?(?: phase=(?P<phase>\w+))? group=(?P<group>[\d,]*)>$")
+    r"(?: peer=(?P<peer>\d+))?(?: phase=(?P<phase>\w+))?(?: comm=(?P<comm>\d+))?"
+    r" group=(?P<group>[\d,]*)>$")
 
 
 def entry(label: str, kind: str, group: tuple[int, ...], *, peer: int | None = None,
-          phase: str | None = None) -> str:
-  """The ``what`` of a sequence entry for an exchange (world ranks).
+          phase: str | None = None, comm: int | None = None) -> str:
+  """The ``what`` of a sequence entry for an exchange (world ranks; `comm`: the
+  communicator's `uid`, so that exchanges over two communicators of the same ranks do not
+  pair).
 
   Example:
     >>> entry("mnjax.functions.send", "send", (0, 1), peer=1, phase="forward")
     'mnjax.functions.send <mnjax.functions send peer=1 phase=forward group=0,1>'
   """
   fields = "".join([f" peer={peer}" if peer is not None else "",
-                    f" phase={phase}" if phase is not None else ""])
+                    f" phase={phase}" if phase is not None else "",
+                    f" comm={comm}" if comm is not None else ""])
   return f"{label} <mnjax.functions {kind}{fields} group={','.join(map(str, group))}>"
 
 
