@@ -22,7 +22,8 @@ from mnjax.comm._host._signature import leaf_paths, shares_in
 from mnjax.comm._instep import _recorder as recorder
 from mnjax.comm._instep._buckets import group_by_dtype
 
-__all__ = ["allreduce", "allreduce_persistent", "broadcast", "check_numbers", "is_number"]
+__all__ = ["allreduce", "allreduce_persistent", "broadcast", "check_numbers", "host_sum_dtype",
+           "is_number"]
 
 
 def is_number(dtype: Any) -> bool:
@@ -50,9 +51,14 @@ def check_numbers(tree: Any, caller: str, *, floats_only: bool = False) -> None:
           " such leaves before reducing.")
 
 
-def _sum_dtype(dtype: np.dtype) -> np.dtype:
-  """Exact host sums: integers and booleans in int64, floats in float64, complex in
-  complex128; anything else stays itself."""
+def host_sum_dtype(dtype: np.dtype) -> np.dtype:
+  """The dtype `allreduce` sums `dtype` in, exactly: integers and booleans in int64, floats
+  in float64, complex in complex128; anything else stays itself.
+
+  Example:
+    >>> host_sum_dtype(np.dtype(np.int32)), host_sum_dtype(np.dtype(np.float32))
+    (dtype('int64'), dtype('float64'))
+  """
   if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer):
     return np.dtype(np.int64)
   if jnp.issubdtype(dtype, jnp.number):
@@ -85,7 +91,7 @@ def allreduce(tree: Any, comm: Communicator, *, caller: str = "allreduce",
   check_communicator(comm, caller)
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   arrays = [np.asarray(leaf) for leaf in leaves]
-  arrays = [a.astype(_sum_dtype(a.dtype), copy=False) for a in arrays]
+  arrays = [a.astype(host_sum_dtype(a.dtype), copy=False) for a in arrays]
   as_summed = jax.tree_util.tree_unflatten(treedef, arrays)
   check_same_tree(as_summed, comm, caller)
   check_numbers(jax.tree_util.tree_unflatten(treedef, leaves), caller, floats_only=floats_only)
@@ -185,7 +191,8 @@ def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
     _check_equal_leaves([(p, a) for p, a, k in zip(leaf_paths(tree), arrays, kept) if k],
                         comm, caller)
   averaged = [i for i, k in enumerate(kept) if not k]
-  totals = reduce_arrays([arrays[i].astype(_sum_dtype(arrays[i].dtype)) for i in averaged], comm)
+  totals = reduce_arrays([arrays[i].astype(host_sum_dtype(arrays[i].dtype)) for i in averaged],
+                         comm)
   out = list(leaves)
   for i, total in zip(averaged, totals):
     mean = (total / comm.size).astype(arrays[i].dtype)
