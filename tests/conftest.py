@@ -56,6 +56,21 @@ def pytest_configure(config):
     config._mnjax_rank_basetemp = config.option.basetemp
 
 
+# The test files that run longest (a few minutes of jobs each, measured), first: under
+# scripts/test.sh's two workers, files are dealt out in collection order, and a long file
+# dealt last would run alone at the end.
+LONGEST_FIRST = tuple(f"tests/jobs/{name}.py" for name in (
+    "test_mpirun", "test_bench", "test_resume", "test_main_job", "test_imagenet_job",
+    "test_workdir_jobs", "test_checkpoint_kill", "test_multi_node_model", "test_xla"))
+
+
+def pytest_collection_modifyitems(config, items):
+  order = {path: i for i, path in enumerate(LONGEST_FIRST)}
+  root = Path(str(config.rootpath))
+  items.sort(key=lambda item: order.get(item.path.relative_to(root).as_posix(),
+                                        len(LONGEST_FIRST)))
+
+
 def pytest_runtest_teardown(item):
   # The job tests kill ranks on purpose; what MPICH leaves in /dev/shm then goes with them.
   if _mpi_rank() is None and "jobs" in item.path.parts:

@@ -200,7 +200,7 @@ class Checkpointer:
 
     Args:
       template: a pytree like the saved state (e.g. the freshly initialised state): its
-        structure, shapes and dtypes are checked (a Python scalar leaf takes the saved
+        structure, shapes and dtypes are checked (a host scalar leaf takes the saved
         dtype), and its leaves say how to return each value (jax array on the same
         sharding, numpy, PRNG key, scalar). A `shard_optimizer` state in it receives this
         rank's share, however many ranks saved it.

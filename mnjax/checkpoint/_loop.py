@@ -10,9 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import numpy as np
-
 from mnjax.checkpoint._checkpointer import Checkpointer
 from mnjax.comm._communicator import Communicator
 from mnjax.comm._host import _broadcast as host
@@ -54,10 +51,7 @@ class LoopCheckpoints:
   def start(self, state: Any, zero_sums: Any) -> tuple[Any, Any, int, int]:
     """``(state, sums, epoch, batch)`` to start the loop from: the newest checkpoint's with
     ``resume``, else ``(state, zero_sums, 1, 0)``."""
-    # Saved as `save` sums them over ranks (`host.allreduce`: int64, float64).
-    summed = jax.tree.map(
-        lambda x: np.zeros(np.shape(x), host.host_sum_dtype(np.asarray(x).dtype)), zero_sums)
-    restored = self.checkpointer.resume({"train": state, "sums": summed},
+    restored = self.checkpointer.resume({"train": state, "sums": zero_sums},
                                         requested=self.resume)
     if restored is None:
       self._last_step = None

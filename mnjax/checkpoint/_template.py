@@ -59,13 +59,10 @@ def _short(text: str, limit: int = 160) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
-_PYTHON_SCALARS = (bool, int, float, complex)
-
-
 def template_difference(record: dict, template: Any) -> str:
   """How the tree `record` describes differs from `template` ('' when it does not): leaf
-  paths, shapes, dtypes (a Python scalar leaf, which has no dtype of its own, takes the saved
-  one; a numpy scalar's dtype is compared like an array's)."""
+  paths, shapes, dtypes (a host scalar leaf, Python or numpy, takes the saved dtype: a
+  counter saved as int32 restores into an int64 template)."""
   saved = record["signature"]
   leaves = jax.tree.leaves(template)
   # numpy leaves as they are: no copy of a whole sharded state's placeholders.
@@ -84,7 +81,7 @@ def template_difference(record: dict, template: Any) -> str:
         f"; template {_short(structure(template))}")
   diff = [f"{e[0]} saved as {s[2]}{s[1]}, template {e[2]}{e[1]}"
           for s, e, leaf in zip(saved, expected, leaves)
-          if s[1] != e[1] or (s[2] != e[2] and not isinstance(leaf, _PYTHON_SCALARS))]
+          if s[1] != e[1] or (s[2] != e[2] and (isinstance(leaf, jax.Array) or np.ndim(leaf)))]
   return "; ".join(diff[:3]) + (f" (and {len(diff) - 3} more)" if len(diff) > 3 else "")
 
 

@@ -102,19 +102,6 @@ def test_allreduce_benchmark_smoke(tmp_path):
   assert "ResNet-50 gradient (161 leaves" in stdout
 
 
-def test_resnet_benchmark_smoke(tmp_path):
-  stdout, data = run_bench("resnet", ["--model", "resnet10", "--image_size", "16",
-                                      "--batch_per_rank", "2", "--steps", "1", "--rounds", "1"],
-                           tmp_path)
-  assert set(data["images_per_second"]) == {
-      "1_rank_plain", "1_rank_mnjax", "2_ranks_allreduce", "2_ranks_allreduce_local_bn",
-      "2_ranks_double_buffering_local_bn", "2_ranks_no_communication"}
-  assert all(v > 0 for v in data["images_per_second"].values())
-  for key in ("overhead_size1", "communication_share", "weak_scaling_efficiency"):
-    assert key in data and key in stdout
-  assert data["double_buffering_efficiency"] > 0
-
-
 def test_checks_benchmark_smoke(tmp_path):
   stdout, data = run_bench("checks", ["--rounds", "1", "--steps", "2"], tmp_path)
   assert data["ranks"] == 2
@@ -139,7 +126,8 @@ def test_scaling_benchmark_smoke(tmp_path):
 def test_gpu_check_smoke(tmp_path):
   """The prepared GPU check, at smoke size on the CPU: every section, and its deterministic
   checks pass (each kind's averaged gradient matches flat's and the float64 reference, and
-  every rank compiles the same MPI call sequence)."""
+  every rank compiles the same MPI call sequence). Its ResNet section runs the ResNet
+  benchmark (`lab.bench.resnet`) at 1 and 2 ranks: that benchmark's smoke test."""
   stdout, data = run_bench("gpu", ["--smoke"], tmp_path)
   assert data["failures"] == []
   for section in SECTIONS:
@@ -154,7 +142,14 @@ def test_gpu_check_smoke(tmp_path):
   assert set(order) == {"flat", "hierarchical", "two_dimensional"}
   assert all(o["same_on_all_ranks"] and o["calls"] and o["unchained_pairs"] == 0
              for o in order.values())
-  assert data["resnet_step"]["seconds_per_step"]["2_ranks"]["allreduce"] > 0
+  # lab.bench.resnet at 1 and 2 ranks (its smoke size): every variant and figure.
+  resnet = data["resnet_step"]
+  assert set(resnet["seconds_per_step"]["1_rank"]) == {"plain", "mnjax"}
+  assert set(resnet["seconds_per_step"]["2_ranks"]) == {
+      "allreduce", "allreduce_local_bn", "double_buffering_local_bn", "no_communication"}
+  assert all(v > 0 for row in resnet["seconds_per_step"].values() for v in row.values())
+  assert all(resnet[key] > 0 for key in ("overhead_size1", "weak_scaling_efficiency",
+                                         "double_buffering_efficiency"))
   assert set(data["sync_bn_share"]["seconds_per_step"]) == {"sync_bn", "local_bn"}
   assert [row["bytes"] for row in data["allreduce_sweep"]["sweep"]][-1] == 1 << 20
   assert "gradients" in stdout and "sync BN share" in stdout

@@ -74,7 +74,7 @@ def test_flat_4_processes_hierarchical_and_xla_2x2_train_the_same_parameters(tmp
   for kind, ranks in runs.items():
     result = run_mpi(
         ranks,
-        ["experiments/train.py", "--comm", kind, "--epochs", "2", "--no-progress",
+        ["experiments/train.py", "--comm", kind, "--epochs", "1", "--no-progress",
          "--workdir", str(tmp_path / kind)],
         timeout=600, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
     )
