@@ -106,15 +106,53 @@ def srun(cluster, args, *, timeout=300, layout=("-N", "2", "-n", "2")):
   raise AssertionError("unreachable")
 
 
-def wait_for_epoch(workdir, proc, timeout=240):
-  """Returns once `workdir` holds an epoch's record (the job is training)."""
-  deadline = time.monotonic() + timeout
+class Garbled(AssertionError):
+  """A batch job's MPI_Init died on a garbled PMI-2 request (`PMI2_GARBLED` in its log)."""
+
+
+def wait_for_epoch(workdir, proc, timeout=240, log=None):
+  """Returns once `workdir` holds an epoch's record (the job is training); with the job's
+  `log`, raises `Garbled` 20 s after the log shows `PMI2_GARBLED` with no record yet."""
+  deadline, garbled_at = time.monotonic() + timeout, None
   while time.monotonic() < deadline:
     if (workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text():
       return
     assert proc is None or proc.poll() is None, proc.communicate()[0][-5000:]
+    if garbled_at is None and log is not None and log.exists() and (
+        PMI2_GARBLED in log.read_text(errors="replace")):
+      garbled_at = time.monotonic()
+    if garbled_at is not None and time.monotonic() - garbled_at > 20:
+      raise Garbled(log.read_text(errors="replace")[-3000:])
     time.sleep(0.2)
   raise AssertionError(f"no epoch record in {workdir} after {timeout} s")
+
+
+def submit_training(cluster, workdir, log, *args):
+  """``sbatch --parsable --output=LOG ARGS``, then `wait_for_epoch`; returns the job id. A job
+  whose MPI_Init died on a garbled PMI-2 request (as `srun` retries) is cancelled and
+  submitted once more, into a clean work directory."""
+  for attempt in range(2):
+    job = slurm(cluster, "sbatch", "--parsable", f"--output={log}", *args).strip()
+    try:
+      wait_for_epoch(workdir, None, log=log)
+      return job
+    except Garbled:
+      subprocess.run(["scancel", job], env=cluster, timeout=30)
+      if attempt == 1:
+        raise
+    except AssertionError as e:  # say why: pending (and its reason) or running without output
+      shown = subprocess.run(["scontrol", "show", "job", job], env=cluster, capture_output=True,
+                             text=True, timeout=30).stdout
+      subprocess.run(["scancel", job], env=cluster, timeout=30)
+      tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no job log)"
+      raise AssertionError(f"{e}\n{shown}\n{tail}") from None
+    deadline = time.monotonic() + 60  # the garbled job, cancelled: gone before the next
+    while job_state(cluster, job) in ("PENDING", "RUNNING", "COMPLETING") and (
+        time.monotonic() < deadline):
+      time.sleep(0.5)
+    shutil.rmtree(workdir, ignore_errors=True)
+    log.unlink(missing_ok=True)
+  raise AssertionError("unreachable")
 
 
 def assert_bitwise(a_dir, b_dir):
@@ -279,11 +317,9 @@ def wait_until_ended(cluster, job, log, seconds):
 
 def test_sbatch_of_the_example_script_requeued_resumes_by_itself(cluster, reference, tmp_path):
   workdir, log = tmp_path / "run", tmp_path / "job.out"
-  job = slurm(cluster, "sbatch", "--parsable", "-N", "2", "--ntasks-per-node=1",
-              f"--output={log}", "scripts/train.sbatch", *FLAGS[:2],
-              "--workdir", str(workdir)).strip()
+  job = submit_training(cluster, workdir, log, "-N", "2", "--ntasks-per-node=1",
+                        "scripts/train.sbatch", *FLAGS[:2], "--workdir", str(workdir))
   try:
-    wait_for_epoch(workdir, None)
     slurm(cluster, "scontrol", "requeue", job)  # what preemption with requeue does
     # A requeued job waits (BeginTime) before it may start again: start it now.
     deadline = time.monotonic() + 60
@@ -305,11 +341,10 @@ def test_usr1_from_slurm_checkpoints_the_job_and_resume_finishes(cluster, tmp_pa
   # What `--signal=USR1@N` delivers before the time limit, sent now (`scancel --signal`) to
   # every task of the example batch job: the run checkpoints at the next step and stops.
   workdir, log = tmp_path / "run", tmp_path / "job.out"
-  job = slurm(cluster, "sbatch", "--parsable", "--no-requeue", "-N", "2",
-              "--ntasks-per-node=1", f"--output={log}", "scripts/train.sbatch", *FLAGS[:2],
-              "--checkpoint_every", "0", "--workdir", str(workdir)).strip()
+  job = submit_training(cluster, workdir, log, "--no-requeue", "-N", "2",
+                        "--ntasks-per-node=1", "scripts/train.sbatch", *FLAGS[:2],
+                        "--checkpoint_every", "0", "--workdir", str(workdir))
   try:
-    wait_for_epoch(workdir, None)
     slurm(cluster, "scancel", "--signal=USR1", job)  # the tasks of its steps, not the shell
     wait_until_ended(cluster, job, log, 120)
   finally:
@@ -345,17 +380,10 @@ def test_the_timed_usr1_of_the_example_script_checkpoints_before_the_limit(clust
   # check (at most 30 s later) sends USR1 to the tasks, well before the limit's SIGTERM.
   workdir, log = tmp_path / "run", tmp_path / "job.out"
   wait_for_an_empty_queue(cluster)
-  job = slurm(cluster, "sbatch", "--parsable", "--no-requeue", "--time=10", "-N", "2",
-              "--ntasks-per-node=1", f"--output={log}", "scripts/train.sbatch", "--epochs",
-              str(LONG_EPOCHS), "--checkpoint_every", "0", "--workdir",
-              str(workdir)).strip()
+  job = submit_training(cluster, workdir, log, "--no-requeue", "--time=10", "-N", "2",
+                        "--ntasks-per-node=1", "scripts/train.sbatch", "--epochs",
+                        str(LONG_EPOCHS), "--checkpoint_every", "0", "--workdir", str(workdir))
   try:
-    try:
-      wait_for_epoch(workdir, None)
-    except AssertionError as e:  # say why: pending (and its reason) or running without output
-      tail = log.read_text()[-3000:] if log.exists() else "(no job log)"
-      shown = slurm(cluster, "scontrol", "show", "job", job)
-      raise AssertionError(f"{e}\n{shown}\n{tail}") from None
     shown = slurm(cluster, "scontrol", "show", "job", job)
     run = [int(x) for x in re.search(r"RunTime=(\S+)", shown).group(1).split(":")]
     minutes = -(-(run[-3] * 3600 + run[-2] * 60 + run[-1]) // 60) + 1   # ends in 60-120 s
