@@ -4,6 +4,7 @@
 `-n 3`; assertions there are written in terms of `comm.size`.
 """
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -71,6 +72,27 @@ def pytest_collection_modifyitems(config, items):
   root = Path(str(config.rootpath))
   items.sort(key=lambda item: order.get(item.path.relative_to(root).as_posix(),
                                         len(LONGEST_FIRST)))
+
+
+@pytest.fixture(autouse=True)
+def _alone_if_timed(request, tmp_path_factory):
+  """Under two pytest workers, a `timed` test runs while the other worker runs nothing: it
+  holds an exclusive lock on a file of this run that every other test holds shared. Both
+  pass a turnstile first, so a waiting `timed` test lets no new test start before it."""
+  if "PYTEST_XDIST_WORKER" not in os.environ or _mpi_rank() is not None:  # runs alone
+    yield
+    return
+  timed = request.node.get_closest_marker("timed") is not None
+  run = tmp_path_factory.getbasetemp().parent  # the workers' base directories share it
+  with open(run / "timed-tests.turnstile", "a") as turnstile, \
+       open(run / "timed-tests.lock", "a") as lock:
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    fcntl.flock(lock, fcntl.LOCK_EX if timed else fcntl.LOCK_SH)
+    fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_runtest_teardown(item):

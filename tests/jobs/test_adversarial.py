@@ -7,7 +7,7 @@ import pytest
 from support.adversarial import CASES, LEAVING, classify, errors_by_rank
 from support.launch import run_mpi
 
-pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun, pytest.mark.timed]
 
 AT_THREE = ("sync_bn_one_more_layer", "sync_bn_no_layer_on_one_rank", "broadcast_other_root",
             "one_rank_leaves_during_broadcast")

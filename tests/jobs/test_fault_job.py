@@ -13,7 +13,7 @@ import pytest
 from support.fault_job import STEPS
 from support.launch import run_mpi
 
-pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun, pytest.mark.timed]
 
 KEEP_RUNNING = ("-disable-auto-cleanup",)
 

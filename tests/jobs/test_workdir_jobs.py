@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from support.launch import run_mpi
 
-pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun, pytest.mark.timed]
 
 FLAGS = ["--epochs", "2", "--no-progress"]
 IN_USE = "is in use by another run: pid"
