@@ -1,16 +1,17 @@
 """A model whose stages live on different ranks: ChainerMN's ``MultiNodeChainList`` as a
-functional chain of flax modules, with GPipe micro-batching over the same stages.
+functional graph of flax modules, with GPipe micro-batching over a chain of them.
 
-Every rank builds the same `MultiNodeChain` (all ``(module, rank)`` stages) and runs only
-its own stages in its jitted step, passing activations with `mnjax.functions.send` /
-``recv``; ``jax.grad`` of `loss` on every rank runs the backward. ``micro_batches=M`` runs
-GPipe (`mnjax.model_parallel._schedule.programs`). Design: docs/design/model_parallel.md.
+Every rank builds the same `MultiNodeChain` (all ``(module, rank[, inputs])`` stages) and
+runs only its own stages in its jitted step, passing activations (any pytree of arrays)
+with `mnjax.functions.send` / ``recv``; ``jax.grad`` of `loss` on every rank runs the
+backward. ``micro_batches=M`` runs GPipe (`mnjax.model_parallel._schedule.programs`).
+Design: docs/design/model_parallel.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,24 +34,77 @@ def _functions() -> Any:
   return functions
 
 
-def _connected(delegate: Any, x: Any) -> Any:
-  """`x`, made to depend on `delegate` (`mnjax.functions.pseudo_connect`); `x` without one."""
-  if delegate is None:
-    return x
-  out = _functions().pseudo_connect(delegate, x)
-  return out[0] if isinstance(out, (tuple, list)) else out
+def _connected(delegate: Any, tree: Any) -> Any:
+  """`tree`'s float leaves made to depend on `delegate` (`mnjax.functions.pseudo_connect`);
+  `tree` itself without a delegate."""
+  leaves, treedef = jax.tree.flatten(tree)
+  floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(jnp.result_type(leaf),
+                                                                  jnp.inexact)]
+  if delegate is None or not floats:
+    return tree
+  out = _functions().pseudo_connect(delegate, *(leaves[i] for i in floats))
+  for i, leaf in zip(floats, out if len(floats) > 1 else (out,), strict=True):
+    leaves[i] = leaf
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _arguments(values: Sequence[Any]) -> tuple[Any, ...]:
+  """A stage's positional arguments: its inputs, a single tuple input unpacked (as
+  ChainerMN's ``MultiNodeChainList`` calls ``link(*x)``)."""
+  if len(values) == 1 and isinstance(values[0], tuple):
+    return tuple(values[0])
+  return tuple(values)
+
+
+def _spec(x: Any) -> Any:
+  """`x`'s shapes and dtypes, leaf by leaf."""
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
+
+
+def _stage_inputs(s: int, stage: Any) -> tuple[int | None, ...]:
+  """Stage s's inputs: its third element (an earlier stage, None for the model's input, or
+  a tuple of them), by default the previous stage's output (the model's input for stage 0)."""
+  if len(stage) == 2:
+    return (s - 1 if s else None,)
+  inputs = stage[2]
+  inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+  for i in inputs:
+    if not (i is None or (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < s)):
+      raise ValueError(
+          f"MultiNodeChain: stage {s} takes {i!r} as an input; an input is None (the"
+          f" model's input) or an earlier stage's index (0..{s - 1}): stages are listed in"
+          " the order they run, each after the stages it takes.")
+  if not inputs:
+    raise ValueError(f"MultiNodeChain: stage {s} takes no input; give it None (the model's"
+                     " input) or earlier stages' indices.")
+  return inputs
+
+
+class _Op(NamedTuple):
+  """One step of a rank's forward: ``run`` stage `stage`, or ``send``/``recv`` stage
+  `stage`'s output to/from the rank of stage `to`, for micro-batch `micro`."""
+  kind: str
+  stage: int
+  to: int
+  micro: int
 
 
 class MultiNodeChain:
-  """A chain of flax modules placed on ranks; every rank builds the same one.
+  """A graph of flax modules placed on ranks; every rank builds the same one.
 
   Args:
     comm: the `Communicator` the stages' ranks are ranks of (``flat``: one device per
       process; under data x model parallelism, the model communicator of ``comm.split``).
-    stages: ``[(module, rank), ...]`` in chain order; stage s's output is stage s + 1's
-      input, the last stage's output the model's.
+    stages: ``[(module, rank), ...]`` in the order they run; a stage takes the previous
+      stage's output (stage 0 the model's input), or what ``(module, rank, inputs)`` names:
+      an earlier stage's index, ``None`` for the model's input, or a tuple of them (several
+      inputs, ChainerMN's ``rank_in`` list; a stage taken by several stages is sent to each,
+      ChainerMN's ``rank_out`` list). Activations are any pytree of arrays; a stage gets its
+      inputs as positional arguments, a single tuple unpacked (``module(*x)``). The last
+      stage's output is the model's; every other stage's must be taken by a later stage.
     micro_batches: M >= 1; above 1, `loss` runs GPipe over M micro-batches of the batch
-      (its leading axis must divide by M); the stages' ranks must not come back to a rank.
+      (its leading axis must divide by M) through a chain (each stage taking the previous
+      one's output) whose ranks do not come back to a rank.
 
   Raises (on every rank, before any message): `TypeError`/`ValueError` for a bad stage,
   `schedule.ScheduleError` for a deadlocking chain, `ValueError` for differing chains.
@@ -66,20 +120,27 @@ class MultiNodeChain:
     >>> grads = jax.grad(chain.loss)(params, x, jnp.zeros((3, 2)), loss)
     >>> tx = chain.optimizer(optax.sgd(0.1))
     >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> class Add(nn.Module):
+    ...   def __call__(self, a, b):
+    ...     return a + b
+    >>> joined = mnjax.model_parallel.MultiNodeChain(
+    ...     comm, [(nn.Dense(4), 0), (nn.Dense(4), 0, None), (Add(), 0, (0, 1))])
+    >>> joined.apply(joined.init(jax.random.key(0), x), x).shape
+    (3, 4)
   """
 
-  def __init__(self, comm: Communicator, stages: Sequence[tuple[Any, int]], *,
+  def __init__(self, comm: Communicator, stages: Sequence[tuple[Any, ...]], *,
                micro_batches: int = 1):
     check_communicator(comm, "MultiNodeChain")
     stages = list(stages) if isinstance(stages, (list, tuple)) else stages
     if not isinstance(stages, list) or not stages:
-      raise ValueError(f"MultiNodeChain: stages must be a non-empty list of (module, rank),"
-                       f" got {stages!r}.")
+      raise ValueError(f"MultiNodeChain: stages must be a non-empty list of (module, rank)"
+                       f" or (module, rank, inputs), got {stages!r}.")
     for s, stage in enumerate(stages):
-      if not (isinstance(stage, (tuple, list)) and len(stage) == 2):
-        raise TypeError(f"MultiNodeChain: stage {s} must be a (module, rank) pair, got"
-                        f" {stage!r}.")
-      module, rank = stage
+      if not (isinstance(stage, (tuple, list)) and len(stage) in (2, 3)):
+        raise TypeError(f"MultiNodeChain: stage {s} must be a (module, rank) pair or a"
+                        f" (module, rank, inputs) triple, got {stage!r}.")
+      module, rank = stage[:2]
       if not (hasattr(module, "init") and hasattr(module, "apply")):
         raise TypeError(f"MultiNodeChain: stage {s}'s module must be a flax module (with"
                         f" init and apply), got {type(module).__name__}.")
@@ -93,22 +154,69 @@ class MultiNodeChain:
       raise ValueError(f"MultiNodeChain: micro_batches must be an int >= 1, got"
                        f" {micro_batches!r}.")
     self.comm = comm
-    self.modules = [m for m, _ in stages]
-    self.stage_ranks = [r for _, r in stages]
+    self.modules = [stage[0] for stage in stages]
+    self.stage_ranks = [stage[1] for stage in stages]
+    #: Each stage's inputs: earlier stages' indices, None for the model's input.
+    self.stage_inputs = [_stage_inputs(s, stage) for s, stage in enumerate(stages)]
     self.micro_batches = micro_batches
-    #: This rank's actions, forward half only, in the order its step runs them.
-    program = schedule.programs(self.stage_ranks, micro_batches)
-    if micro_batches > 1:
-      schedule.simulate(program, self.stage_ranks)  # raises ScheduleError on a deadlock
-    self._forward = [a for a in program.get(comm.rank, []) if a.kind == "F"]
-    described = (repr(self.modules), self.stage_ranks, micro_batches)
+    last = len(stages) - 1
+    taken = {i for inputs in self.stage_inputs for i in inputs}
+    unused = [s for s in range(last) if s not in taken]
+    if unused:
+      raise ValueError(f"MultiNodeChain: the output of stage {unused[0]} goes nowhere: only"
+                       f" the last stage ({last}) gives the model's output. Make a later"
+                       f" stage take it (its inputs), or leave the stage out.")
+    chain = all(inputs == (s - 1 if s else None,) for s, inputs in
+                enumerate(self.stage_inputs))
+    if micro_batches > 1 and not chain:
+      raise ValueError(f"MultiNodeChain: micro_batches={micro_batches} (GPipe) runs over a"
+                       " chain, each stage taking the previous one's output; this one has"
+                       " stages with other inputs. Use micro_batches=1 for it.")
+    described = (repr(self.modules), self.stage_ranks, self.stage_inputs, micro_batches)
     everyone = gather_if_different(comm, "MultiNodeChain", described, what="MultiNodeChain")
     if everyone is not None:
       other = next(r for r, d in enumerate(everyone) if d != everyone[0])
       raise ValueError(
           f"MultiNodeChain: the ranks built different chains: rank 0 {everyone[0]!r:.300},"
           f" rank {other} {everyone[other]!r:.300}. Every rank must build the same chain"
-          " (all the stages, with their ranks), and run only its own.")
+          " (all the stages, with their ranks and inputs), and run only its own.")
+    if micro_batches > 1:
+      program = schedule.programs(self.stage_ranks, micro_batches)
+      schedule.simulate(program, self.stage_ranks)  # raises ScheduleError on a deadlock
+      self._ops = self._piped(program.get(comm.rank, []))
+    else:
+      self._ops = self._in_order()
+
+  def _in_order(self) -> list[_Op]:
+    """This rank's forward, one micro-batch: every message at its consumer's place in the
+    stage order (sends to stage s and receives for it, by producer, just before s runs),
+    the same total order on every rank, so blocking sends cannot deadlock."""
+    me, ops = self.comm.rank, []
+    for s, inputs in enumerate(self.stage_inputs):
+      for p in dict.fromkeys(i for i in inputs if i is not None):
+        if self.stage_ranks[p] != self.stage_ranks[s]:
+          if self.stage_ranks[p] == me:
+            ops.append(_Op("send", p, s, 0))
+          if self.stage_ranks[s] == me:
+            ops.append(_Op("recv", p, s, 0))
+      if self.stage_ranks[s] == me:
+        ops.append(_Op("run", s, s, 0))
+    return ops
+
+  def _piped(self, program: Sequence[schedule.Action]) -> list[_Op]:
+    """This rank's GPipe forward over a chain: each forward action with its receive before
+    and its send after (the order `schedule.simulate` checked)."""
+    ranks, last, ops = self.stage_ranks, len(self.stage_ranks) - 1, []
+    for action in program:
+      if action.kind != "F":
+        continue
+      s, m = action.stage, action.micro
+      if s > 0 and ranks[s - 1] != ranks[s]:
+        ops.append(_Op("recv", s - 1, s, m))
+      ops.append(_Op("run", s, s, m))
+      if s < last and ranks[s + 1] != ranks[s]:
+        ops.append(_Op("send", s, s + 1, m))
+    return ops
 
   @property
   def own_stages(self) -> list[int]:
@@ -120,23 +228,25 @@ class MultiNodeChain:
     """The rank of the last stage: where `apply` returns the output and `loss` the loss."""
     return self.stage_ranks[-1]
 
-  def _inputs(self, x: Any) -> list[jax.ShapeDtypeStruct]:
-    """Each stage's input (shape and dtype) for a batch like `x`, then the output's."""
-    spec = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x.dtype))]
-    for module in self.modules:
-      out, _ = jax.eval_shape(module.init_with_output, jax.random.key(0), spec[-1])
-      spec.append(out)
-    return spec
+  def _outputs(self, x: Any) -> list[Any]:
+    """Each stage's output (shapes and dtypes) for a batch like `x`."""
+    spec, outputs = _spec(x), []
+    for module, inputs in zip(self.modules, self.stage_inputs, strict=True):
+      args = _arguments([spec if i is None else outputs[i] for i in inputs])
+      out, _ = jax.eval_shape(module.init_with_output, jax.random.key(0), *args)
+      outputs.append(out)
+    return outputs
 
   def _init(self, rng: jax.Array, x: Any, stages: Sequence[int]) -> dict[str, Any]:
-    spec = self._inputs(x)
-    return {_key(s): self.modules[s].init(jax.random.fold_in(rng, s),
-                                          jnp.zeros(spec[s].shape, spec[s].dtype))
+    spec, outputs = _spec(x), self._outputs(x)
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
+    return {_key(s): self.modules[s].init(jax.random.fold_in(rng, s), *_arguments(
+        [zeros(spec if i is None else outputs[i]) for i in self.stage_inputs[s]]))
             for s in stages}
 
   def init(self, rng: jax.Array, x: Any) -> dict[str, Any]:
     """This rank's stages' variables, ``{"stage_<s>": module.init(fold_in(rng, s), ...)}``
-    (no message; `x`: the batch, or a `jax.ShapeDtypeStruct` like it)."""
+    (no message; `x`: the batch, or `jax.ShapeDtypeStruct` s like it)."""
     return self._init(rng, x, self.own_stages)
 
   def init_all(self, rng: jax.Array, x: Any) -> dict[str, Any]:
@@ -144,54 +254,79 @@ class MultiNodeChain:
     return self._init(rng, x, range(len(self.modules)))
 
   def apply_all(self, params: dict[str, Any], x: Any) -> Any:
-    """The whole chain in one process (`init_all`'s parameters): the reference model."""
-    for s, module in enumerate(self.modules):
-      x = module.apply(params[_key(s)], x)
-    return x
+    """The whole model in one process (`init_all`'s parameters): the reference."""
+    outputs: list[Any] = []
+    for s, (module, inputs) in enumerate(zip(self.modules, self.stage_inputs, strict=True)):
+      args = _arguments([x if i is None else outputs[i] for i in inputs])
+      outputs.append(module.apply(params[_key(s)], *args))
+    return outputs[-1]
+
+  def _send(self, tree: Any, dest: int, delegate: Any) -> Any:
+    """Sends `tree` leaf by leaf, each after the last send; the last delegate, which every
+    earlier one reaches (an integer leaf's send does not carry its input's delegate)."""
+    for leaf in jax.tree.leaves(tree):
+      sent = _functions().send(_connected(delegate, leaf), self.comm, dest)
+      delegate = sent if delegate is None else _connected(delegate, sent)
+    return delegate
+
+  def _recv(self, like: Any, source: int, delegate: Any) -> Any:
+    """A tree like `like`, leaf by leaf from `source`, each joined to `delegate`."""
+    return jax.tree.map(
+        lambda spec: _connected(delegate, _functions().recv(self.comm, source, spec)), like)
 
   def _run(self, params: dict[str, Any], xs: Any, targets: Any, loss_fn: Callable | None,
            micro: int) -> Any:
     """This rank's forward: the loss or output on the output rank, else the delegates."""
-    me, last = self.comm.rank, len(self.modules) - 1
-    spec = self._inputs(jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype))
-    local: dict[tuple[int, int], Any] = {}
+    ranks, last = self.stage_ranks, len(self.modules) - 1
+    batch = jax.tree.map(lambda a: a[0], xs)
+    specs = self._outputs(batch)
+    values: dict[tuple[int, int], Any] = {}  # (stage, micro): an output this rank holds
+    received: dict[tuple[int, int, int], Any] = {}  # (stage, to, micro): a message's value
     outputs = []
     delegate = None
-    for action in self._forward:
-      s, m = action.stage, action.micro
-      if s == 0:
-        h = xs[m]
-      elif self.stage_ranks[s - 1] == me:
-        h = local.pop((s, m))
-      else:
-        h = _connected(delegate, _functions().recv(self.comm, self.stage_ranks[s - 1], spec[s]))
-      h = self.modules[s].apply(params[_key(s)], h)
+    for op in self._ops:
+      s, m = op.stage, op.micro
+      if op.kind == "send":
+        delegate = self._send(values[(s, m)], ranks[op.to], delegate)
+        continue
+      if op.kind == "recv":
+        received[(s, op.to, m)] = self._recv(specs[s], ranks[s], delegate)
+        continue
+      args = []
+      for i in self.stage_inputs[s]:
+        if i is None:
+          args.append(jax.tree.map(lambda a, m=m: a[m], xs))
+        else:
+          args.append(values[(i, m)] if ranks[i] == ranks[s] else received[(i, s, m)])
+      h = self.modules[s].apply(params[_key(s)], *_arguments(args))
+      values[(s, m)] = h
       if s == last:
-        outputs.append(h if loss_fn is None else loss_fn(h, targets[m]))
-      elif self.stage_ranks[s + 1] == me:
-        local[(s + 1, m)] = h
-      else:
-        sent = _functions().send(_connected(delegate, h), self.comm, self.stage_ranks[s + 1])
-        delegate = sent
+        outputs.append(h if loss_fn is None else loss_fn(
+            h, jax.tree.map(lambda a, m=m: a[m], targets)))
     if outputs:
       result = (outputs[0] if loss_fn is None and micro == 1
-                else jnp.concatenate(outputs) if loss_fn is None
-                else sum(outputs[1:], outputs[0]) / micro)
+                else jax.tree.map(lambda *o: jnp.concatenate(o), *outputs)
+                if loss_fn is None else sum(outputs[1:], outputs[0]) / micro)
       return _connected(delegate, result)
-    if not self._forward:  # a rank that holds no stage: in the step's check all the same
+    if not self._ops:  # a rank that holds no stage: in the step's check all the same
       from mnjax.functions._transport import take_part  # noqa: PLC0415 (as _functions())
 
       take_part(self.comm)
     return jnp.zeros((), jnp.float32) if delegate is None else delegate
 
   def _split(self, x: Any, name: str) -> Any:
+    """`x` (a pytree) with a leading micro-batch axis on every leaf."""
     micro = self.micro_batches
     if x is None:
       return None
-    if jnp.ndim(x) == 0 or jnp.shape(x)[0] % micro:
-      raise ValueError(f"MultiNodeChain: the {name}'s leading axis ({jnp.shape(x)}) must"
-                       f" divide by micro_batches={micro}.")
-    return jnp.reshape(x, (micro, jnp.shape(x)[0] // micro, *jnp.shape(x)[1:]))
+
+    def split(a: Any) -> jax.Array:
+      if jnp.ndim(a) == 0 or jnp.shape(a)[0] % micro:
+        raise ValueError(f"MultiNodeChain: the {name}'s leading axis ({jnp.shape(a)}) must"
+                         f" divide by micro_batches={micro}.")
+      return jnp.reshape(a, (micro, jnp.shape(a)[0] // micro, *jnp.shape(a)[1:]))
+
+    return jax.tree.map(split, x)
 
   def apply(self, params: dict[str, Any], x: Any) -> Any:
     """The forward on every rank (inside its jitted step): the model's output on

@@ -1,4 +1,5 @@
-"""Runs tests/distributed/ under `mpirun -n 2` and `-n 3`, each under a hard timeout."""
+"""Runs tests/distributed/ under `mpirun -n 2` and `-n 3` (and the model-parallel graph under
+`-n 4`), each under a hard timeout."""
 
 import pytest
 from support.distributed_suite import assert_every_rank_passed, pytest_args
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 # loop, the guards' messages, the multi-device kinds' equivalences) runs at 1 and 2 ranks.
 AT_3 = tuple(f"tests/distributed/{name}.py" for name in (
     "test_agreement", "test_collectives", "test_functions", "test_host", "test_host_collectives",
-    "test_iterators", "test_preflight", "test_scatter_root", "test_shard",
+    "test_iterators", "test_multi_node_chain", "test_preflight", "test_scatter_root", "test_shard",
     "test_shard_checkpoint", "test_sharding", "test_split", "test_wire"))
 # SyncBatchNorm over 3 replicas (an odd count), flat kind only: its statistics, gradients and
 # steps against the global batch, and its persistent averages. The multi-device kinds cost
@@ -36,3 +37,10 @@ def test_distributed_suite_under_mpirun_2():
 def test_distributed_suite_under_mpirun_3():
   result = run_mpi(3, pytest_args(AT_3 + BATCH_NORM_AT_3), timeout=900)
   assert_every_rank_passed(result, 3)
+
+
+def test_multi_node_chain_under_mpirun_4():
+  """The model-parallel graph at 4 ranks: one of them runs no stage."""
+  result = run_mpi(4, pytest_args(("tests/distributed/test_multi_node_chain.py",)),
+                   timeout=300)
+  assert_every_rank_passed(result, 4, at_least=9)
