@@ -3,8 +3,10 @@ allgather and alltoall.
 
 Each backward is the transposed exchange, as in ChainerMN. Stacked values have a leading
 axis of size ``comm.size`` (row ``i``: rank ``i``'s part). Non-root ranks of `bcast` and
-`scatter` pass an array or ``jax.ShapeDtypeStruct`` of the root's shape and dtype. On a
-size-1 communicator they are the plain array operations they reduce to.
+`scatter` pass an array or ``jax.ShapeDtypeStruct`` of the root's shape and dtype. With
+``shapes`` (and `scatter` given a list of parts) each rank's part has its own shape and the
+result is a tuple of parts (`mnjax.functions._parts`). On a size-1 communicator they are the
+plain array operations they reduce to.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from mnjax.comm._communicator import Communicator
 from mnjax.comm._instep._primitives import sum_dtype
 from mnjax.functions import _chain as chain
 from mnjax.functions import _checks as checks
+from mnjax.functions import _parts as parts
 from mnjax.functions._transport import issue
 
 __all__ = ["allgather", "alltoall", "bcast", "gather", "scatter"]
@@ -53,17 +56,24 @@ def bcast(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
   return chain.apply(forward, backward, x, spec.dtype, comm, "bcast")
 
 
-def gather(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
+def gather(x: Any, comm: Communicator, root: int = 0, *, shapes: Any = None) -> Any:
   """Every rank's `x` stacked on rank `root` (shape ``(comm.size, *x.shape)``); elsewhere a
   delegate (a float32 zero scalar, as `send` returns).
+
+  With ``shapes`` (every rank's shape, ``shapes[i]`` rank i's, the same on every rank: a
+  gatherv), the root gets the tuple of the ranks' parts.
 
   Backward: the root's gradient rows go back to their ranks (ChainerMN: a scatter).
 
   Example:
     >>> mnjax.functions.gather(jnp.ones(2), comm, 0).shape
     (1, 2)
+    >>> [p.shape for p in mnjax.functions.gather(jnp.ones(2), comm, 0, shapes=[(2,)])]
+    [(2,)]
   """
   comm = checks.communicator(comm, "gather")
+  if shapes is not None:
+    return _gather_parts(x, comm, root, parts.table(shapes, comm.size, "gather"))
   x = checks.payload(x, "gather")
   if not checks.checked(root, comm, "root", "gather", peer=False):
     return (jnp.zeros((comm.size, *x.shape), x.dtype) if comm.rank == root
@@ -82,16 +92,21 @@ def scatter(xs: Any, comm: Communicator, root: int = 0) -> jax.Array:
   Backward: every rank's gradient is gathered into the root's `xs` (the others' get zero).
 
   Args:
-    xs: on the root, the stacked array; elsewhere an array or ``jax.ShapeDtypeStruct`` of
-      its shape and dtype.
+    xs: on the root, the stacked array, or a list of ``comm.size`` parts of any shapes (a
+      scatterv: rank i gets part i); elsewhere an array or ``jax.ShapeDtypeStruct`` of its
+      shape and dtype, or a list of the parts' (every rank names every part's shape).
     comm: the ``flat`` `Communicator`.
     root: the rank whose rows are handed out.
 
   Example:
     >>> mnjax.functions.scatter(jnp.arange(2.0 * comm.size).reshape(comm.size, 2), comm, 0)
     Array([0., 1.], dtype=float32)
+    >>> mnjax.functions.scatter([jnp.arange(3.0)] * comm.size, comm, 0)
+    Array([0., 1., 2.], dtype=float32)
   """
   comm = checks.communicator(comm, "scatter")
+  if isinstance(xs, (list, tuple)):
+    return _scatter_parts(xs, comm, root)
   spec, xs = _operand(xs, comm, root, "scatter", name="xs")
   rows = _rows(spec.shape, comm, "scatter", "xs")
   if rows is None or not checks.checked(root, comm, "root", "scatter", peer=False):
@@ -105,26 +120,39 @@ def scatter(xs: Any, comm: Communicator, root: int = 0) -> jax.Array:
   return chain.apply(forward, backward, xs, spec.dtype, comm, "scatter")
 
 
-def allgather(x: Any, comm: Communicator) -> jax.Array:
+def allgather(x: Any, comm: Communicator, *, shapes: Any = None) -> Any:
   """Every rank's `x` stacked on every rank (shape ``(comm.size, *x.shape)``).
+
+  With ``shapes`` (every rank's shape, ``shapes[i]`` rank i's, the same on every rank: an
+  allgatherv), the tuple of the ranks' parts.
 
   Backward: row ``j`` of every rank's gradient goes to rank ``j``, which sums them.
 
   Example:
     >>> mnjax.functions.allgather(jnp.ones(2), comm).shape == (comm.size, 2)
     True
+    >>> shapes = [(r + 1,) for r in range(comm.size)]            # rank r has r + 1 items
+    >>> [p.shape for p in mnjax.functions.allgather(jnp.ones(comm.rank + 1), comm,
+    ...                                             shapes=shapes)]
+    [(1,)]
   """
   comm = checks.communicator(comm, "allgather")
+  if shapes is not None:
+    return _allgather_parts(x, comm, parts.table(shapes, comm.size, "allgather"))
   x = checks.payload(x, "allgather")
   if comm.size == 1:
     return x[None]
-  forward = functools.partial(_allgather, comm)
+  forward = functools.partial(_allgather, comm, "mnjax.functions.allgather")
   backward = functools.partial(_allgather_backward, comm)
   return chain.apply(forward, backward, x, x.dtype, comm, "allgather")
 
 
-def alltoall(xs: Any, comm: Communicator) -> jax.Array:
+def alltoall(xs: Any, comm: Communicator, *, shapes: Any = None) -> Any:
   """Row ``j`` of `xs` goes to rank ``j``; row ``i`` of the result came from rank ``i``.
+
+  With ``shapes`` (``shapes[i][j]``: the shape rank i sends to rank j, the same table on
+  every rank), `xs` is a list of ``comm.size`` parts of this rank's row of the table, and
+  the result the tuple of the parts received, part i from rank i.
 
   Backward: the gradient goes back through the same all-to-all.
 
@@ -132,8 +160,12 @@ def alltoall(xs: Any, comm: Communicator) -> jax.Array:
     >>> xs = jnp.arange(2.0 * comm.size).reshape(comm.size, 2)
     >>> bool((mnjax.functions.alltoall(xs, comm)[comm.rank] == xs[comm.rank]).all())
     True
+    >>> mnjax.functions.alltoall([jnp.ones(3)], comm, shapes=[[(3,)]])[0].shape
+    (3,)
   """
   comm = checks.communicator(comm, "alltoall")
+  if shapes is not None:
+    return _alltoall_parts(xs, comm, parts.table(shapes, comm.size, "alltoall", square=True))
   xs = checks.payload(xs, "alltoall", "xs")
   if _rows(xs.shape, comm, "alltoall", "xs") is None:
     return jnp.zeros_like(xs)
@@ -171,6 +203,102 @@ def _rows(shape: tuple, comm: Communicator, caller: str, name: str) -> int | Non
 def _note(shape: tuple, dtype: Any) -> tuple:
   """A collective's sequence entry: every member notes the same shape and dtype."""
   return ("collective", None, None, tuple(shape), str(jax.numpy.dtype(dtype)))
+
+
+def _fits(shape: tuple, want: tuple, comm: Communicator, caller: str, name: str) -> bool:
+  """Whether this rank's part has its entry of the table; else the call is refused."""
+  if tuple(shape) == tuple(want):
+    return True
+  checks.refuse(f"mnjax.functions.{caller}: rank {comm.rank}'s {name} has shape"
+                f" {tuple(shape)}, but the shapes table gives it {tuple(want)}; pass each"
+                " rank's part in the shape its entry of the table names", comm)
+  return False
+
+
+def _one_dtype(xs: list, caller: str) -> Any:
+  dtypes = {jnp.dtype(p.dtype) for p in xs}
+  if len(dtypes) != 1:
+    raise TypeError(f"mnjax.functions.{caller}: the parts have dtypes"
+                    f" {sorted(map(str, dtypes))}; pass parts of one dtype.")
+  return dtypes.pop()
+
+
+def _part_list(xs: Any, comm: Communicator, caller: str) -> list:
+  if not isinstance(xs, (list, tuple)) or len(xs) != comm.size:
+    raise ValueError(f"mnjax.functions.{caller}: xs must be a list of {comm.size} parts"
+                     f" (part i for rank i), got {type(xs).__name__} of"
+                     f" {len(xs) if isinstance(xs, (list, tuple)) else 'no'} parts.")
+  return [parts.part(p, caller, f"xs[{i}]") for i, p in enumerate(xs)]
+
+
+def _allgather_parts(x: Any, comm: Communicator, shapes: tuple) -> tuple:
+  x = parts.part(x, "allgather")
+  if not _fits(x.shape, shapes[comm.rank], comm, "allgather", "x"):
+    return tuple(jnp.zeros(s, x.dtype) for s in shapes)
+  if comm.size == 1:
+    return (x,)
+  slot = parts.pad(x, parts.width(shapes))
+  forward = functools.partial(_allgather, comm,
+                              parts.label("mnjax.functions.allgather", shapes))
+  backward = functools.partial(_allgather_backward, comm)
+  return parts.parts(chain.apply(forward, backward, slot, slot.dtype, comm, "allgather"),
+                     shapes)
+
+
+def _gather_parts(x: Any, comm: Communicator, root: Any, shapes: tuple) -> Any:
+  x = parts.part(x, "gather")
+  if not (checks.checked(root, comm, "root", "gather", peer=False)
+          and _fits(x.shape, shapes[comm.rank], comm, "gather", "x")):
+    return (tuple(jnp.zeros(s, x.dtype) for s in shapes) if comm.rank == root
+            else jnp.zeros((), jnp.float32))
+  if comm.size == 1:
+    return (x,)
+  root, slot = int(root), parts.pad(x, parts.width(shapes))
+  forward = functools.partial(_gather, comm, root,
+                              parts.label("mnjax.functions.gather", shapes), "forward")
+  backward = functools.partial(_gather_backward, comm, root, slot.shape, slot.dtype)
+  out = chain.apply(forward, backward, slot, slot.dtype, comm, "gather")
+  return parts.parts(out, shapes) if comm.rank == root else out
+
+
+def _scatter_parts(xs: Any, comm: Communicator, root: Any) -> jax.Array:
+  xs = _part_list(xs, comm, "scatter")
+  dtype, shapes = _one_dtype(xs, "scatter"), tuple(tuple(p.shape) for p in xs)
+  mine = shapes[comm.rank]
+  arrays = not any(isinstance(p, jax.ShapeDtypeStruct) for p in xs)
+  if not checks.checked(root, comm, "root", "scatter", peer=False):
+    return jnp.zeros(mine, dtype)
+  if comm.rank == root and not arrays:
+    checks.refuse("mnjax.functions.scatter: the root passed shapes (jax.ShapeDtypeStruct)"
+                  " among its parts; the root passes the arrays it hands out", comm)
+    return jnp.zeros(mine, dtype)
+  if comm.size == 1:
+    return xs[0]
+  root, slot = int(root), parts.width(shapes)
+  spec = jax.ShapeDtypeStruct((comm.size, slot), dtype)
+  stacked = jnp.stack([parts.pad(p, slot) for p in xs]) if arrays else None
+  stacked = stacked if comm.rank == root else _differentiable(stacked)
+  forward = functools.partial(_scatter, comm, root, spec,
+                              parts.label("mnjax.functions.scatter", shapes), "forward")
+  backward = functools.partial(_scatter_backward, comm, root, spec, stacked is not None)
+  out = chain.apply(forward, backward, stacked, dtype, comm, "scatter")
+  return out[:math.prod(mine)].reshape(mine)
+
+
+def _alltoall_parts(xs: Any, comm: Communicator, shapes: tuple) -> tuple:
+  xs = _part_list(xs, comm, "alltoall")
+  dtype, n, me = _one_dtype(xs, "alltoall"), comm.size, comm.rank
+  incoming = [shapes[i][me] for i in range(n)]
+  if not _fits(tuple(tuple(p.shape) for p in xs), shapes[me], comm, "alltoall", "parts"):
+    return tuple(jnp.zeros(s, dtype) for s in incoming)
+  if n == 1:
+    return (xs[0],)
+  slot = parts.width([s for row in shapes for s in row])
+  stacked = jnp.stack([parts.pad(p, slot) for p in xs])
+  forward = functools.partial(_alltoall, comm, parts.label("mnjax.functions.alltoall", shapes))
+  backward = functools.partial(_alltoall_backward, comm)
+  return parts.parts(chain.apply(forward, backward, stacked, dtype, comm, "alltoall"),
+                     incoming)
 
 
 def _bcast(comm, root, spec, x, after):
@@ -224,8 +352,7 @@ def _scatter_backward(comm, root, spec, had_xs, ct, after):
   return (jnp.zeros(spec.shape, spec.dtype) if had_xs else None), grad
 
 
-def _allgather(comm, x, after):
-  label = "mnjax.functions.allgather"
+def _allgather(comm, label, x, after):
   return issue("allgather", comm, x, after, shape=(comm.size, *x.shape), dtype=x.dtype,
                count=x.size, label=label, note=_note(x.shape, x.dtype))
 

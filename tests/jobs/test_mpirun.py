@@ -1,4 +1,4 @@
-"""Runs tests/distributed/ under `mpirun -n 2` and `-n 3` (and the model-parallel graph under
+"""Runs tests/distributed/ under `mpirun -n 2` and `-n 3` (and the model-parallel files under
 `-n 4`), each under a hard timeout."""
 
 import pytest
@@ -15,9 +15,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 # mismatch on one rank of several. What is the same at any count above 1 (checkpoints, the
 # loop, the guards' messages, the multi-device kinds' equivalences) runs at 1 and 2 ranks.
 AT_3 = tuple(f"tests/distributed/{name}.py" for name in (
-    "test_agreement", "test_collectives", "test_functions", "test_host", "test_host_collectives",
-    "test_iterators", "test_multi_node_chain", "test_preflight", "test_scatter_root", "test_shard",
-    "test_shard_checkpoint", "test_sharding", "test_split", "test_wire"))
+    "test_agreement", "test_collectives", "test_functions", "test_functions_parts", "test_host",
+    "test_host_collectives", "test_iterators", "test_multi_node_chain", "test_preflight",
+    "test_scatter_root", "test_shard", "test_shard_checkpoint", "test_sharding", "test_split",
+    "test_wire"))
 # SyncBatchNorm over 3 replicas (an odd count), flat kind only: its statistics, gradients and
 # steps against the global batch, and its persistent averages. The multi-device kinds cost
 # minutes at 3 x 2 emulated devices on 2 cores and prove nothing 2 x 2 does not.
@@ -39,8 +40,10 @@ def test_distributed_suite_under_mpirun_3():
   assert_every_rank_passed(result, 3)
 
 
-def test_multi_node_chain_under_mpirun_4():
-  """The model-parallel graph at 4 ranks: one of them runs no stage."""
-  result = run_mpi(4, pytest_args(("tests/distributed/test_multi_node_chain.py",)),
-                   timeout=300)
-  assert_every_rank_passed(result, 4, at_least=9)
+def test_model_parallel_under_mpirun_4():
+  """The model-parallel graph and the collectives with per-rank shapes at 4 ranks (one rank
+  runs no stage of the graph)."""
+  files = ("tests/distributed/test_multi_node_chain.py",
+           "tests/distributed/test_functions_parts.py")
+  result = run_mpi(4, pytest_args(files), timeout=300)
+  assert_every_rank_passed(result, 4, at_least=20)

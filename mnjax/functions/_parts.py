@@ -1,0 +1,123 @@
+"""Per-rank shapes for `mnjax.functions`' collectives: ChainerMN's ``allgather``, ``gather``,
+``scatter`` and ``alltoall`` with a different shape on each rank (gatherv, scatterv).
+
+A step's shapes are static, so every rank names every part's shape (the ``shapes`` table,
+the same on every rank; `scatter` reads it from its parts). Each part travels flattened and
+padded to the table's largest part, through the equal-shape collective; the table is part of
+the exchange's label, so ranks that pass different tables are refused on every rank by the
+pre-flight check before anything moves, and a rank whose array is not its entry of the table
+is refused there too. The padding costs bandwidth (``comm.size`` x the largest part), never
+results: the gradient of a padded slot is zero and is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mnjax.functions import _checks as checks
+
+__all__ = ["Shape", "label", "pad", "part", "parts", "shape_of", "table", "width"]
+
+Shape = tuple[int, ...]
+
+
+def shape_of(shape: Any, caller: str, where: str) -> Shape:
+  """`shape` as a tuple of non-negative ints, else a `ValueError` naming `where`.
+
+  Example:
+    >>> shape_of([2, 3], "allgather", "shapes[0]")
+    (2, 3)
+  """
+  try:
+    dims = tuple(shape)
+  except TypeError:
+    dims = None
+  if dims is None or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+                             and d >= 0 for d in dims):
+    raise ValueError(f"mnjax.functions.{caller}: {where} must be a shape (a tuple of"
+                     f" non-negative ints), got {shape!r}.")
+  return tuple(int(d) for d in dims)
+
+
+def table(shapes: Any, size: int, caller: str, *, square: bool = False) -> tuple:
+  """`shapes` checked: ``size`` shapes (rank i's at i), or with `square` a ``size`` x
+  ``size`` table (``[i][j]``: what rank i sends to rank j). Raises at once: every rank
+  passes the same table, else the pre-flight check refuses the step (`label`).
+
+  Example:
+    >>> table([(2,), [3]], 2, "allgather")
+    ((2,), (3,))
+  """
+  what = (f"a list of {size} rows of {size} shapes ([i][j]: the shape rank i sends to rank j)"
+          if square else f"a list of {size} shapes (rank i's at index i)")
+  if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or len(
+      shapes) != size:
+    raise ValueError(f"mnjax.functions.{caller}: shapes must be {what}, the same on every"
+                     f" rank, got {shapes!r}.")
+  if not square:
+    return tuple(shape_of(s, caller, f"shapes[{i}]") for i, s in enumerate(shapes))
+  for i, row in enumerate(shapes):
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != size:
+      raise ValueError(f"mnjax.functions.{caller}: shapes must be {what}; row {i} is"
+                       f" {row!r}.")
+  return tuple(tuple(shape_of(s, caller, f"shapes[{i}][{j}]") for j, s in enumerate(row))
+               for i, row in enumerate(shapes))
+
+
+def part(x: Any, caller: str, name: str = "x") -> jax.Array:
+  """`x` as an array MPI can move; unlike a whole payload it may be empty.
+
+  Example:
+    >>> part(jnp.zeros((0, 3)), "allgather").shape
+    (0, 3)
+  """
+  x = jnp.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
+  checks.payload(jnp.zeros((1,), x.dtype), caller, name)  # the dtype check alone
+  return x
+
+
+def width(shapes: Sequence[Shape]) -> int:
+  """Elements per padded slot: the largest part's, at least 1.
+
+  Example:
+    >>> width([(2, 3), (0,), (4,)])
+    6
+  """
+  return max(1, *(math.prod(s) for s in shapes))
+
+
+def pad(x: jax.Array, slot: int) -> jax.Array:
+  """`x` flattened and zero-padded to `slot` elements.
+
+  Example:
+    >>> pad(jnp.ones((2,)), 3)
+    Array([1., 1., 0.], dtype=float32)
+  """
+  flat = jnp.ravel(x)
+  return jnp.pad(flat, (0, slot - flat.size))
+
+
+def parts(slots: jax.Array, shapes: Sequence[Shape]) -> tuple[jax.Array, ...]:
+  """Row i of `slots` cut to ``shapes[i]``.
+
+  Example:
+    >>> [p.shape for p in parts(jnp.zeros((2, 4)), [(2, 2), (3,)])]
+    [(2, 2), (3,)]
+  """
+  return tuple(slots[i, :math.prod(s)].reshape(s) for i, s in enumerate(shapes))
+
+
+def label(base: str, shapes: Any) -> str:
+  """An exchange's label with its table: ranks that disagree on it do not pair.
+
+  Example:
+    >>> label("mnjax.functions.allgather", ((1,), (2,)))
+    'mnjax.functions.allgather with per-rank shapes ((1,), (2,))'
+  """
+  return f"{base} with per-rank shapes {shapes}"
