@@ -3,6 +3,8 @@
 * `MultiNodeChain`: ChainerMN's ``MultiNodeChainList`` as a chain of flax modules placed
   on ranks, exchanging activations through `mnjax.functions`; ``micro_batches=M`` runs
   GPipe. Checkpoint each rank's stages with `mnjax.checkpoint.PerRankState`.
+* `MultiNodeNStepRNN`: ChainerMN's ``create_multi_node_n_step_rnn``, a stack of ``nn.RNN``
+  layers whose carries come from and go to other ranks.
 * `ChannelParallelConv`: ChainerMN's channel-parallel convolution; `join_slices`,
   `slice_grads`.
 * The schedule, pure Python: `gpipe`, `programs`, `simulate`, `bubble_fraction`,
@@ -17,6 +19,7 @@ Example::
 
 from mnjax.model_parallel._chain import MultiNodeChain
 from mnjax.model_parallel._channel import ChannelParallelConv, join_slices, slice_grads
+from mnjax.model_parallel._rnn import MultiNodeNStepRNN
 from mnjax.model_parallel._schedule import (
     Action,
     Executed,
@@ -33,6 +36,7 @@ __all__ = [
     "ChannelParallelConv",
     "Executed",
     "MultiNodeChain",
+    "MultiNodeNStepRNN",
     "ScheduleError",
     "bubble_fraction",
     "gpipe",

@@ -20,6 +20,8 @@ import optax
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._host._agreement import gather_if_different
 from mnjax.model_parallel import _schedule as schedule
+from mnjax.model_parallel._messages import connected, recv_tree, send_tree
+from mnjax.model_parallel._messages import spec as spec_of
 
 __all__ = ["MultiNodeChain"]
 
@@ -28,37 +30,12 @@ def _key(stage: int) -> str:
   return f"stage_{stage}"
 
 
-def _functions() -> Any:
-  """`mnjax.functions`, the in-step transport (imported when a message is traced)."""
-  from mnjax import functions  # noqa: PLC0415
-  return functions
-
-
-def _connected(delegate: Any, tree: Any) -> Any:
-  """`tree`'s float leaves made to depend on `delegate` (`mnjax.functions.pseudo_connect`);
-  `tree` itself without a delegate."""
-  leaves, treedef = jax.tree.flatten(tree)
-  floats = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(jnp.result_type(leaf),
-                                                                  jnp.inexact)]
-  if delegate is None or not floats:
-    return tree
-  out = _functions().pseudo_connect(delegate, *(leaves[i] for i in floats))
-  for i, leaf in zip(floats, out if len(floats) > 1 else (out,), strict=True):
-    leaves[i] = leaf
-  return jax.tree.unflatten(treedef, leaves)
-
-
 def _arguments(values: Sequence[Any]) -> tuple[Any, ...]:
   """A stage's positional arguments: its inputs, a single tuple input unpacked (as
   ChainerMN's ``MultiNodeChainList`` calls ``link(*x)``)."""
   if len(values) == 1 and isinstance(values[0], tuple):
     return tuple(values[0])
   return tuple(values)
-
-
-def _spec(x: Any) -> Any:
-  """`x`'s shapes and dtypes, leaf by leaf."""
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
 
 
 def _stage_inputs(s: int, stage: Any) -> tuple[int | None, ...]:
@@ -230,7 +207,7 @@ class MultiNodeChain:
 
   def _outputs(self, x: Any) -> list[Any]:
     """Each stage's output (shapes and dtypes) for a batch like `x`."""
-    spec, outputs = _spec(x), []
+    spec, outputs = spec_of(x), []
     for module, inputs in zip(self.modules, self.stage_inputs, strict=True):
       args = _arguments([spec if i is None else outputs[i] for i in inputs])
       out, _ = jax.eval_shape(module.init_with_output, jax.random.key(0), *args)
@@ -238,7 +215,7 @@ class MultiNodeChain:
     return outputs
 
   def _init(self, rng: jax.Array, x: Any, stages: Sequence[int]) -> dict[str, Any]:
-    spec, outputs = _spec(x), self._outputs(x)
+    spec, outputs = spec_of(x), self._outputs(x)
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
     return {_key(s): self.modules[s].init(jax.random.fold_in(rng, s), *_arguments(
         [zeros(spec if i is None else outputs[i]) for i in self.stage_inputs[s]]))
@@ -261,19 +238,6 @@ class MultiNodeChain:
       outputs.append(module.apply(params[_key(s)], *args))
     return outputs[-1]
 
-  def _send(self, tree: Any, dest: int, delegate: Any) -> Any:
-    """Sends `tree` leaf by leaf, each after the last send; the last delegate, which every
-    earlier one reaches (an integer leaf's send does not carry its input's delegate)."""
-    for leaf in jax.tree.leaves(tree):
-      sent = _functions().send(_connected(delegate, leaf), self.comm, dest)
-      delegate = sent if delegate is None else _connected(delegate, sent)
-    return delegate
-
-  def _recv(self, like: Any, source: int, delegate: Any) -> Any:
-    """A tree like `like`, leaf by leaf from `source`, each joined to `delegate`."""
-    return jax.tree.map(
-        lambda spec: _connected(delegate, _functions().recv(self.comm, source, spec)), like)
-
   def _run(self, params: dict[str, Any], xs: Any, targets: Any, loss_fn: Callable | None,
            micro: int) -> Any:
     """This rank's forward: the loss or output on the output rank, else the delegates."""
@@ -287,10 +251,10 @@ class MultiNodeChain:
     for op in self._ops:
       s, m = op.stage, op.micro
       if op.kind == "send":
-        delegate = self._send(values[(s, m)], ranks[op.to], delegate)
+        delegate = send_tree(values[(s, m)], self.comm, ranks[op.to], delegate)
         continue
       if op.kind == "recv":
-        received[(s, op.to, m)] = self._recv(specs[s], ranks[s], delegate)
+        received[(s, op.to, m)] = recv_tree(specs[s], self.comm, ranks[s], delegate)
         continue
       args = []
       for i in self.stage_inputs[s]:
@@ -307,9 +271,9 @@ class MultiNodeChain:
       result = (outputs[0] if loss_fn is None and micro == 1
                 else jax.tree.map(lambda *o: jnp.concatenate(o), *outputs)
                 if loss_fn is None else sum(outputs[1:], outputs[0]) / micro)
-      return _connected(delegate, result)
+      return connected(delegate, result)
     if not self._ops:  # a rank that holds no stage: in the step's check all the same
-      from mnjax.functions._transport import take_part  # noqa: PLC0415 (as _functions())
+      from mnjax.functions._transport import take_part  # noqa: PLC0415 (the in-step transport)
 
       take_part(self.comm)
     return jnp.zeros((), jnp.float32) if delegate is None else delegate

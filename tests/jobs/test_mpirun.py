@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 # loop, the guards' messages, the multi-device kinds' equivalences) runs at 1 and 2 ranks.
 AT_3 = tuple(f"tests/distributed/{name}.py" for name in (
     "test_agreement", "test_collectives", "test_functions", "test_functions_parts", "test_host",
-    "test_host_collectives", "test_iterators", "test_multi_node_chain", "test_preflight",
+    "test_host_collectives", "test_iterators", "test_multi_node_chain", "test_multi_node_rnn",
+    "test_preflight",
     "test_scatter_root", "test_shard", "test_shard_checkpoint", "test_sharding", "test_split",
     "test_wire"))
 # SyncBatchNorm over 3 replicas (an odd count), flat kind only: its statistics, gradients and
@@ -41,9 +42,9 @@ def test_distributed_suite_under_mpirun_3():
 
 
 def test_model_parallel_under_mpirun_4():
-  """The model-parallel graph and the collectives with per-rank shapes at 4 ranks (one rank
-  runs no stage of the graph)."""
-  files = ("tests/distributed/test_multi_node_chain.py",
-           "tests/distributed/test_functions_parts.py")
-  result = run_mpi(4, pytest_args(files), timeout=300)
+  """The model-parallel graph, the N-step RNN and the collectives with per-rank shapes at 4
+  ranks (one rank runs no stage of the graph)."""
+  files = tuple(f"tests/distributed/{name}.py" for name in (
+      "test_multi_node_chain", "test_multi_node_rnn", "test_functions_parts"))
+  result = run_mpi(4, pytest_args(files), timeout=600)
   assert_every_rank_passed(result, 4, at_least=20)
