@@ -10,11 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
+
 from mnjax.checkpoint._checkpointer import Checkpointer
 from mnjax.comm._communicator import Communicator
 from mnjax.comm._host import _broadcast as host
 
 __all__ = ["LoopCheckpoints"]
+
+
+def _widened(leaf: Any) -> Any:
+  """A numpy sum as `save` writes it (host totals: int64, float64); others as they are."""
+  if isinstance(leaf, (np.ndarray, np.generic)):
+    return leaf.astype(host.host_sum_dtype(leaf.dtype))
+  return leaf
 
 
 class LoopCheckpoints:
@@ -51,7 +61,8 @@ class LoopCheckpoints:
   def start(self, state: Any, zero_sums: Any) -> tuple[Any, Any, int, int]:
     """``(state, sums, epoch, batch)`` to start the loop from: the newest checkpoint's with
     ``resume``, else ``(state, zero_sums, 1, 0)``."""
-    restored = self.checkpointer.resume({"train": state, "sums": zero_sums},
+    saved_sums = jax.tree.map(_widened, zero_sums)
+    restored = self.checkpointer.resume({"train": state, "sums": saved_sums},
                                         requested=self.resume)
     if restored is None:
       self._last_step = None

@@ -41,6 +41,8 @@ def like(value: np.ndarray, template: Any) -> Any:
     return jax.make_array_from_callback(value.shape, template.sharding, lambda i: value[i])
   if isinstance(template, np.ndarray) or np.ndim(template):
     return value
+  if isinstance(template, np.generic):  # its dtype, which the saved one safely casts to
+    return value.astype(template.dtype)
   return value.item() if isinstance(template, (int, float, bool)) else value
 
 
@@ -61,8 +63,9 @@ def _short(text: str, limit: int = 160) -> str:
 
 def template_difference(record: dict, template: Any) -> str:
   """How the tree `record` describes differs from `template` ('' when it does not): leaf
-  paths, shapes, dtypes (a host scalar leaf, Python or numpy, takes the saved dtype: a
-  counter saved as int32 restores into an int64 template)."""
+  paths, shapes, dtypes. A Python scalar leaf takes the saved dtype; a numpy scalar leaf
+  takes its own where the saved one casts to it without loss (a counter saved as int32
+  restores into an int64 template), else it differs (float32 saved, float16 template)."""
   saved = record["signature"]
   leaves = jax.tree.leaves(template)
   # numpy leaves as they are: no copy of a whole sharded state's placeholders.
@@ -81,8 +84,21 @@ def template_difference(record: dict, template: Any) -> str:
         f"; template {_short(structure(template))}")
   diff = [f"{e[0]} saved as {s[2]}{s[1]}, template {e[2]}{e[1]}"
           for s, e, leaf in zip(saved, expected, leaves)
-          if s[1] != e[1] or (s[2] != e[2] and (isinstance(leaf, jax.Array) or np.ndim(leaf)))]
+          if s[1] != e[1] or (s[2] != e[2] and _dtype_counts(leaf, s[2], e[2]))]
   return "; ".join(diff[:3]) + (f" (and {len(diff) - 3} more)" if len(diff) > 3 else "")
+
+
+def _dtype_counts(leaf: Any, saved: str, expected: str) -> bool:
+  """Whether a dtype difference is one: always for arrays, for a numpy scalar where the
+  saved dtype does not cast to its own without loss, never for a Python scalar."""
+  if isinstance(leaf, jax.Array) or np.ndim(leaf):
+    return True
+  if isinstance(leaf, np.generic):
+    try:
+      return not np.can_cast(np.dtype(saved), np.dtype(expected), casting="safe")
+    except TypeError:  # a dtype numpy does not know by that name: compare the names
+      return True
+  return False
 
 
 def target(template: Any, saved: list) -> Any:

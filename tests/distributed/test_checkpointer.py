@@ -132,16 +132,22 @@ def test_restoring_into_a_different_tree_is_a_template_error(comm, tmp_path):
 
 
 def test_an_array_leaf_of_another_dtype_is_a_template_error(comm, tmp_path):
-  """An array's dtype is compared; a host scalar leaf takes the saved one (a counter)."""
-  saved = {"w": jnp.ones(3), "n": np.float32(2.0), "k": 3}
+  """An array's dtype is compared; a numpy scalar leaf keeps its own where the saved one
+  casts to it without loss, else differs; a Python scalar takes the saved one."""
+  saved = {"w": jnp.ones(3), "n": np.float32(2.5), "k": 3, "c": np.int32(7)}
   with mnjax.Checkpointer(tmp_path / "ckpt", comm) as ckpt:
     ckpt.save(1, saved)
     ckpt.wait()
     with pytest.raises(mnjax.checkpoint.CheckpointTemplateError,
                        match=r"\['w'\] saved as float32\(3,\), template bfloat16\(3,\)"):
       ckpt.restore({**saved, "w": jnp.ones(3, jnp.bfloat16)})
-    _, state, _ = ckpt.restore({**saved, "n": np.float16(0), "k": 0.0})
-  assert state["n"].dtype == np.float32 and state["k"] == 3
+    with pytest.raises(mnjax.checkpoint.CheckpointTemplateError,
+                       match=r"\['n'\] saved as float32\(\), template float16\(\)"):
+      ckpt.restore({**saved, "n": np.float16(0)})
+    _, state, _ = ckpt.restore({**saved, "n": np.float64(0), "k": 0.0, "c": np.int64(0)})
+  assert state["n"].dtype == np.float64 and float(state["n"]) == 2.5
+  assert state["c"].dtype == np.int64 and int(state["c"]) == 7
+  assert state["k"] == 3
 
 
 def test_a_list_template_against_a_dict_checkpoint_names_both_containers(comm, tmp_path):
