@@ -150,7 +150,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
 
 def main(argv: list[str] | None = None) -> None:
   config = parse_args(argv)
-  comm = mnjax.create_communicator(config.comm)
+  comm = mnjax.create_communicator(config.comm, replicas=config.replicas or None)
   _, record = train_and_evaluate(config, comm)
   if comm.is_root:
     print(f"done: {json.dumps(record)}")

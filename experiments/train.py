@@ -7,6 +7,7 @@ Run (the README's first command does the set-up, then this):
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
       mpirun -n 2 python experiments/train.py --comm hierarchical   # 2 processes x 2 devices
     srun -n 8 python experiments/train.py --workdir runs/d8 # on a Slurm cluster
+    mpirun -n 3 python experiments/train.py --replicas 12   # the same bits on 1, 2, 3, 4, 6
 
 The config is ``experiments/configs/digits.py`` (``--config`` picks another file); every
 field is a flag (``--help``). Rank 0 shows a progress bar, prints per-epoch loss, accuracy
@@ -99,7 +100,7 @@ def train_and_evaluate(config: Config, comm: mnjax.Communicator):
 
 def main(argv: list[str] | None = None) -> None:
   config = parse_args(argv)
-  comm = mnjax.create_communicator(config.comm)  # kinds: mnjax.comm.KINDS
+  comm = mnjax.create_communicator(config.comm, replicas=config.replicas or None)
   _, record = train_and_evaluate(config, comm)
   if comm.is_root:
     print(f"final test accuracy {record['test_accuracy']:.4f}"

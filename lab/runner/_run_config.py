@@ -45,6 +45,9 @@ class RunConfig:
   seed: int = flag(0, help="initialisation and data order")
   comm: str = flag("auto", choices=("auto", *KINDS),
                    help="communicator kind; auto: xla on GPUs, flat on CPUs")
+  replicas: int = flag(0, minimum=0, help="the job's replica count, whatever the number of"
+                       " processes (which must divide it): the same bits on any of them"
+                       " (exact sums; --comm auto: hierarchical); 0: one per device")
   wire_dtype: str = flag("float32", help="gradients cross processes in this dtype (float32,"
                          " bfloat16 or float16)")
   bucket_mb: str = flag("auto", help="largest fused gradient buffer in MiB; auto: the"

@@ -62,6 +62,8 @@ class Communicator:
     uid: the same random number on every rank of this communicator (rank 0's, broadcast at
       creation), distinct between communicators: ranks order communicators of the same
       ranks by it alike.
+    exact: gradient sums are exact integer sums (``create_communicator(..., replicas=V)``),
+      so their bits do not depend on the number of processes.
 
   Host-side methods as ChainerMN's (``split``, ``send``/``recv``, ``bcast``, ``gather``, ...,
   and ``*_obj`` variants) compare what every rank passed first and raise the same error on
@@ -89,6 +91,7 @@ class Communicator:
   device_comms: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
   devices: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
   uid: int = dataclasses.field(default=0, compare=False, hash=False, repr=False)
+  exact: bool = False
 
   @property
   def num_replicas(self) -> int:
@@ -115,7 +118,8 @@ class Communicator:
     """One line for a run header: ranks, nodes, devices per rank and their platform, kind."""
     platform = self.devices[0].platform if self.devices else "?"
     return (f"{self.size} rank(s) on {self.inter_size} node(s) x {self.local_device_count}"
-            f" {platform} device(s), kind {self.kind}")
+            f" {platform} device(s), kind {self.kind}"
+            + (f", {self.num_replicas} replicas, exact sums" if self.exact else ""))
 
   @property
   def is_root(self) -> bool:
@@ -226,7 +230,7 @@ def check_communicator(comm: Any, caller: str) -> Communicator:
 
 
 def assemble(kind: str, clone: MPI.Intracomm, topology: tuple[int, int, int, int],
-             devices: tuple, axis_name: str) -> Communicator:
+             devices: tuple, axis_name: str, exact: bool = False) -> Communicator:
   """The `Communicator` over `clone` (which it then owns), with its in-step clones.
   Collective over `clone`.
 
@@ -253,5 +257,6 @@ def assemble(kind: str, clone: MPI.Intracomm, topology: tuple[int, int, int, int
       device_comms=tuple(clone.Clone() for _ in devices) if kind in MULTI_DEVICE_KINDS else (),
       devices=devices,
       uid=uid,
+      exact=exact,
   )
 

@@ -122,6 +122,44 @@ def _jax_started() -> bool:
   return compat.jax_backends_started()
 
 
+def _check_replicas(replicas: Any, kind: str, size: int, local_devices: Any) -> None:
+  """`replicas` checked against the kind and the number of processes, the same on every
+  rank (each rank passes the same arguments; `_agree_replicas` checks that they do)."""
+  if replicas is None:
+    return
+  if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+    raise ValueError(f"create_communicator: replicas must be a positive int (the job's"
+                     f" replica count), got {replicas!r}.")
+  divisors = [p for p in range(1, replicas + 1) if replicas % p == 0]
+  if replicas % size:
+    raise ValueError(
+        f"create_communicator: replicas={replicas} does not divide over {size} processes;"
+        f" each process runs replicas / processes of them. Launch a number of processes"
+        f" that divides {replicas} ({', '.join(map(str, divisors))}), or pick a replica"
+        f" count that {size} divides.")
+  if kind == "xla":
+    raise ValueError("create_communicator: replicas= is not supported by kind 'xla' (its"
+                     " devices are jax.distributed's); use 'hierarchical'.")
+  if kind == "flat" and replicas != size:
+    raise ValueError(
+        f"create_communicator: kind 'flat' runs one replica per process, so replicas"
+        f"={replicas} needs {replicas} processes, got {size}. For {replicas // size}"
+        " replicas per process use kind 'hierarchical' (its local devices: emulated ones"
+        " on CPUs).")
+  if local_devices is not None and local_devices != replicas // size:
+    raise ValueError(
+        f"create_communicator: local_devices={local_devices} but replicas={replicas} over"
+        f" {size} processes gives {replicas // size} per process; drop local_devices.")
+
+
+def _agree_replicas(clone: MPI.Intracomm, replicas: int | None) -> None:
+  everyone = clone.allgather(replicas)
+  if len(set(everyone)) > 1:
+    raise ValueError(
+        f"create_communicator: the ranks passed different replica counts ({everyone}, by"
+        " rank); every rank must pass the same replicas= (one flag for the whole job).")
+
+
 def create_communicator(
     kind: str = "flat",
     mpi_comm: MPI.Intracomm | None = None,
@@ -131,6 +169,7 @@ def create_communicator(
     distributed_timeout: int = 120,
     abort_on_error: bool = True,
     share_devices: bool = False,
+    replicas: int | None = None,
 ) -> Communicator:
   """Builds the communicator for data-parallel training (collective: call on every rank).
 
@@ -149,6 +188,12 @@ def create_communicator(
       rank. Pass False to keep Python's own handler.
     share_devices: allow several processes to drive one GPU (each preallocates its share of
       the memory); otherwise that layout is an error.
+    replicas: the job's replica count V, whatever the number of processes P (which must
+      divide it): each process drives V / P local devices (on CPUs, emulated ones: set here
+      before JAX starts), and gradient sums are exact integer sums (`Communicator.exact`),
+      so a run gives the same bits on any P that divides V and resumes on another
+      (docs/design/allreduce.md, Exact sums). Kinds ``hierarchical``, ``two_dimensional``
+      and ``single_node`` (``auto``: ``hierarchical``), or ``flat`` with V = P.
 
   Each process's devices are chosen before JAX starts (``flat``: node-local rank *i* on GPU
   *i*), and ``jax_default_device`` is set: call it before any other JAX call. Under the MPI
@@ -167,6 +212,8 @@ def create_communicator(
     True
   """
   kind = _check_kind(kind)
+  if kind == "auto" and replicas is not None:  # V / P replicas per process, on any P
+    kind = "hierarchical"
   if mpi_comm is None:
     mpi_comm = MPI.COMM_WORLD
   if not isinstance(mpi_comm, MPI.Intracomm):
@@ -191,6 +238,8 @@ def create_communicator(
   resolved = devices_lib.agree(clone, resolve_kind, kind)
   _check_same_kind(clone.allgather((kind, resolved)))
   kind = resolved
+  _agree_replicas(clone, replicas)
+  devices_lib.agree(clone, _check_replicas, replicas, kind, clone.size, local_devices)
   node = devices_lib.agree(clone, node_split, clone)
   intra_rank, intra_size, inter_rank, inter_size = node_topology(clone, node)
   if kind == "single_node" and inter_size > 1:  # inter_size is the same on every rank
@@ -209,6 +258,10 @@ def create_communicator(
         " so they would choose devices differently. Call create_communicator first thing in"
         " the script, on every rank."
     )
+  if replicas is not None and kind != "flat":
+    local_devices = replicas // clone.size
+    if not started[0]:
+      devices_lib.emulate_cpu_devices(local_devices)  # used only where JAX runs on CPUs
   devices = devices_lib.choose_devices(
       kind, local_devices, share_devices, clone, node, started=started[0],
       start_distributed=lambda ids: _start_jax_distributed(clone, distributed_timeout, ids))
@@ -233,6 +286,6 @@ def create_communicator(
   if abort_on_error and clone.size > 1:
     failfast.install()
   comm = assemble(kind, clone, (intra_rank, intra_size, inter_rank, inter_size), devices,
-                  axis_name)
+                  axis_name, exact=replicas is not None)
   process_view.watch(comm)
   return comm

@@ -18,7 +18,7 @@ import os
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["Layout", "gpu_inventory", "plan_devices"]
+__all__ = ["Layout", "emulate_cpu_devices", "gpu_inventory", "plan_devices"]
 
 #: Kinds that drive one device per process; the others drive several (`data_parallel`).
 ONE_DEVICE_KINDS = ("flat",)
@@ -204,6 +204,23 @@ def warn_opened_others(driven: int, opened: int) -> None:
       " with one GPU per process (srun --gpus-per-task=1), or set"
       " XLA_PYTHON_CLIENT_PREALLOCATE=false.",
       RuntimeWarning, stacklevel=3)
+
+
+def emulate_cpu_devices(count: int) -> None:
+  """Makes JAX's CPU platform show at least `count` devices (``XLA_FLAGS``'s
+  ``--xla_force_host_platform_device_count``); call before JAX starts. A larger count
+  already set stays.
+
+  Example:
+    >>> emulate_cpu_devices(1)   # JAX started already: it keeps what it opened
+  """
+  flag = "--xla_force_host_platform_device_count"
+  words = os.environ.get("XLA_FLAGS", "").split()
+  current = [int(w.split("=", 1)[1]) for w in words if w.startswith(flag + "=")]
+  if current and max(current) >= count:
+    return
+  kept = [w for w in words if not w.startswith(flag + "=")]
+  os.environ["XLA_FLAGS"] = " ".join([*kept, f"{flag}={count}"])
 
 
 def agree(comm, fn, *args):

@@ -81,6 +81,12 @@ class SyncBatchNorm(nn.Module):
       The normalized `x`, of ``dtype`` (default: inferred from `x` and the parameters).
     """
     check_communicator(self.comm, "SyncBatchNorm")
+    if self.comm.exact:
+      raise ValueError(
+          "SyncBatchNorm: its statistics are float sums, whose bits depend on the number of"
+          " processes, but this communicator promises the same bits on any number"
+          " (create_communicator(..., replicas=...)). Use flax's nn.BatchNorm (per-replica"
+          " statistics) with replicas=, or drop replicas= for SyncBatchNorm.")
     if self.axis_name is not None or self.axis_index_groups is not None:
       raise ValueError(
           "SyncBatchNorm: axis_name/axis_index_groups must be None; the communicator"

@@ -125,10 +125,16 @@ def gradient_exchange(comm, caller: str, *, mean: bool = True, wire_dtype: Any =
   wire_dtype = wire.check_wire_dtype(wire_dtype, caller)
   bucket_bytes = bucketing.check_bucket_bytes(bucket_bytes, caller, comm)
   real = wire_dtype is not None
+  if real and comm.exact:
+    raise ValueError(
+        f"{caller}: wire_dtype={wire_dtype} rounds each gradient to 16 bits, but this"
+        " communicator sums exactly (create_communicator(..., replicas=...)), so that the"
+        " bits do not depend on the number of processes. Drop wire_dtype, or replicas=.")
   if not isinstance(preflight_timeout, (int, float)) or not preflight_timeout > 0:
     raise ValueError(f"{caller}: preflight_timeout must be a positive number of seconds,"
                      f" got {preflight_timeout!r}.")
-  compared = {"communicator kind": comm.kind, "replicas": comm.num_replicas, "mean": mean,
+  compared = {"communicator kind": comm.kind, "replicas": comm.num_replicas,
+              "exact sums": comm.exact, "mean": mean,
               "wire_dtype": str(wire_dtype), "bucket_bytes": bucket_bytes, **(options or {})}
 
   def check_params(params):

@@ -88,6 +88,11 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
         f" {comm.kind!r} the local devices of a process would each need their own share"
         " inside mnjax.data_parallel. Use create_communicator('flat') with one process per"
         " device, or optax.chain(mnjax.allreduce_gradients(comm), tx) (unsharded state).")
+  if comm.exact:
+    raise ValueError(
+        f"{caller}: its reduce-scatter sums in floating point, but this communicator promises"
+        " exact sums (create_communicator(..., replicas=...)). Use"
+        " optax.chain(mnjax.allreduce_gradients(comm), tx), or drop replicas=.")
   if not (isinstance(tx, tuple) and callable(getattr(tx, "init", None))
           and callable(getattr(tx, "update", None))):
     raise TypeError(f"{caller}: tx must be an optax.GradientTransformation (e.g."

@@ -34,10 +34,10 @@ def test_step_benchmark_smoke(tmp_path):
   assert set(data["multi"]["images_per_second"]) == {
       "no_communication", "allreduce", "allreduce_bf16_wire", "allreduce_buckets_64kB",
       "allreduce_leaving_early", "allreduce_double_buffering", "allreduce_timeline",
-      "naive_mpi4jax"}
+      "naive_mpi4jax", "allreduce_exact"}
   assert all(v > 0 for v in data["multi"]["images_per_second"].values())
   # The timeline variant's cost, and its trace: valid JSON holding the variant's collectives.
-  assert data["multi"]["timeline_overhead"] > 0
+  assert data["multi"]["timeline_overhead"] > 0 and data["multi"]["exact_overhead"] > 0
   events = json.loads(Path(data["multi"]["timeline"]).read_text())["traceEvents"]
   assert any(e.get("ph") == "X" and e.get("args", {}).get("op") == "bucket allreduce"
              and e["args"]["bytes"] > 0 for e in events)

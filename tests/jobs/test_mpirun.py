@@ -15,11 +15,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 # mismatch on one rank of several. What is the same at any count above 1 (checkpoints, the
 # loop, the guards' messages, the multi-device kinds' equivalences) runs at 1 and 2 ranks.
 AT_3 = tuple(f"tests/distributed/{name}.py" for name in (
-    "test_agreement", "test_collectives", "test_functions", "test_functions_parts", "test_host",
-    "test_host_collectives", "test_iterators", "test_multi_node_chain", "test_multi_node_rnn",
-    "test_preflight",
-    "test_scatter_root", "test_shard", "test_shard_checkpoint", "test_sharding", "test_split",
-    "test_wire"))
+    "test_agreement", "test_collectives", "test_exact_replicas", "test_functions",
+    "test_functions_parts", "test_host", "test_host_collectives", "test_iterators",
+    "test_multi_node_chain", "test_multi_node_rnn", "test_preflight", "test_scatter_root",
+    "test_shard", "test_shard_checkpoint", "test_sharding", "test_split", "test_wire"))
 # SyncBatchNorm over 3 replicas (an odd count), flat kind only: its statistics, gradients and
 # steps against the global batch, and its persistent averages. The multi-device kinds cost
 # minutes at 3 x 2 emulated devices on 2 cores and prove nothing 2 x 2 does not.

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._instep import _exact as exact
 from mnjax.comm._instep import _primitives as mpi_ops
 from mnjax.comm._instep import _recorder as recorder
 from mnjax.comm._instep import _sequence as sequence
@@ -81,9 +82,16 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   for k, bucket in enumerate(buckets):
     members = [leaves[i] for i in bucket.positions]
     size = sum(int(np.size(m)) for m in members)
-    sequence.note_collective(  # the step's fingerprint (`mnjax.guard._preflight`)
-        f"allreduce_tree bucket {k + 1} of {len(buckets)}", (size,),
-        bucket.dtype if wire_dtype is None else wire_dtype, over=comm.mpi_comm)
+    what = f"allreduce_tree bucket {k + 1} of {len(buckets)}"
+    if comm.exact:  # the step's fingerprint (`mnjax.guard._preflight`): two int32 sums
+      sequence.note_collective(what + " (exact: exponents)", (exact.BINS,), np.int32,
+                               over=comm.mpi_comm)
+      sequence.note_collective(what + " (exact: limbs)", (exact.LIMBS * size,), np.int32,
+                               over=comm.mpi_comm)
+    else:
+      sequence.note_collective(what, (size,),
+                               bucket.dtype if wire_dtype is None else wire_dtype,
+                               over=comm.mpi_comm)
     with recorder.tagging("bucket allreduce", bucket=k, bytes=size * bucket.dtype.itemsize):
       previous = _bucket(members, bucket, out, comm, wire_dtype, previous, mean, half_pack)
   if previous is not None:
@@ -98,6 +106,17 @@ def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, 
             mean: bool, half_pack: bool):
   """Reduces one bucket into `out` (at its leaves' positions); returns the chain's new link."""
   replicas = comm.num_replicas
+  if comm.exact:  # integer limbs: the same bits whatever the processes (`_exact`)
+    if bucket.dtype != jnp.float32:
+      raise ValueError(
+          f"allreduce_tree: an exact communicator (replicas=) sums float32 gradients (16-bit"
+          f" ones travel as float32), got a {bucket.dtype} bucket. Use float32 parameters.")
+    buf = exact.exact_sum(pack(members, jnp.float32), replicas,
+                          lambda x, after: _REDUCERS[comm.kind](x, comm, None, after), previous)
+    post = (lambda x: x / jnp.asarray(replicas, x.dtype)) if mean else None
+    for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
+      out[i] = leaf
+    return buf
   if _in_place(members, bucket, wire_dtype, comm):
     # In its own shape: raveling first makes XLA:CPU copy around the in-place call.
     (leaf,) = members

@@ -1,0 +1,57 @@
+"""The main job with a fixed replica count (experiments/train.py --replicas 12): the same
+final parameters, bit for bit, at 1, 2, 3, 4 and 6 processes, and a run saved at 2
+processes, resumed at 3 and then at 4, equals the uninterrupted run at 6 bit for bit.
+
+Each launch trains the digits CNN over 12 replicas (12 / P emulated CPU devices per
+process) with a global batch of 96; the parameters are compared by their digest. Without
+--replicas the same launches give a different digest at each process count
+(docs/results/replicas.md), which is what makes these equalities a test.
+"""
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+from support.launch import run_mpi
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
+
+ARGS = ["experiments/train.py", "--replicas", "12", "--global_batch_size", "96",
+        "--no-progress", "--stall_timeout", "0"]
+
+
+def train(workdir, processes, epochs, *more):
+  result = run_mpi(processes, [*ARGS, "--workdir", str(workdir), "--epochs", str(epochs),
+                               *more], timeout=600)
+  assert result.returncode == 0, result.stdout[-10000:]
+  assert "12 replicas, exact sums" in result.stdout
+  return digest(workdir)
+
+
+def digest(workdir):
+  params = np.load(workdir / "params.npz")
+  return hashlib.sha256(b"".join(params[k].tobytes() for k in sorted(params.files))).hexdigest()
+
+
+def test_the_same_bits_at_any_number_of_processes_and_across_resumes(tmp_path):
+  one_epoch = {p: train(tmp_path / f"p{p}", p, 1) for p in (1, 2, 3)}
+  assert len(set(one_epoch.values())) == 1, one_epoch
+  # Saved at 2 (epoch 1), resumed at 3 (epoch 2), then at 4 (epoch 3).
+  chain = tmp_path / "chain"
+  shutil.copytree(tmp_path / "p2", chain)
+  train(chain, 3, 2, "--resume")
+  resumed = train(chain, 4, 3, "--resume")
+  uninterrupted = train(tmp_path / "p6", 6, 3)
+  assert resumed == uninterrupted
+  records = [json.loads(line) for line in (chain / "metrics.jsonl").read_text().splitlines()]
+  assert [r["epoch"] for r in records] == [1, 2, 3]
+
+
+def test_a_resume_with_another_replica_count_is_refused(tmp_path):
+  train(tmp_path / "run", 2, 1)
+  result = run_mpi(2, [*ARGS[:2], "6", *ARGS[3:], "--workdir", str(tmp_path / "run"),
+                       "--epochs", "2", "--resume"], timeout=300)
+  assert result.returncode != 0
+  assert "replicas" in result.stdout and "12" in result.stdout, result.stdout[-5000:]
