@@ -249,7 +249,7 @@ def gathered(comm):
   """
   if comm.size > 1:
     return lambda x: F.allgather(x, comm)[0]
-  forward = functools.partial(_collective._allgather, comm)
+  forward = functools.partial(_collective._allgather, comm, "mnjax.functions.allgather")
   backward = functools.partial(_collective._allgather_backward, comm)
   return lambda x: _chain.apply(forward, backward, x, x.dtype, comm, "allgather")[0]
 
