@@ -7,7 +7,8 @@ Run (the README's first command does the set-up, then this):
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
       mpirun -n 2 python experiments/train.py --comm hierarchical   # 2 processes x 2 devices
     srun -n 8 python experiments/train.py --workdir runs/d8 # on a Slurm cluster
-    mpirun -n 3 python experiments/train.py --replicas 12   # the same bits on 1, 2, 3, 4, 6
+    mpirun -n 3 python experiments/train.py --replicas 12 --global_batch_size 96
+                                    # the same bits on 1, 2, 3, 4 or 6 processes
 
 The config is ``experiments/configs/digits.py`` (``--config`` picks another file); every
 field is a flag (``--help``). Rank 0 shows a progress bar, prints per-epoch loss, accuracy
