@@ -19,7 +19,8 @@ Error, against the exact sum of the V float32 inputs: each replica's value loses
 one unit of the last limb, ``2 ** (e - LIMBS * B)``, so the integer sum is within
 ``V * 2 ** (e - LIMBS * B)`` of it, and the reconstruction rounds twice to float32 (at most
 ``2 ** -23`` relative). With 2 limbs and V <= 16 that is ``16 * 2 ** (e - 52)``: the
-smallest entries of a bucket, below ``2 ** (e - 52)``, count as zero. Cost: a histogram of
+smallest entries of a bucket, below ``2 ** (e - 52)``, count as zero (as do float32
+subnormals, which XLA's CPU flushes to zero anyway). Cost: a histogram of
 `BINS` int32 and two int32 per element on the wire (2x float32's bytes).
 """
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 __all__ = ["BINS", "LIMBS", "error_bound", "exact_sum", "limb_bits"]
 
 LIMBS = 2
-#: float32 exponents of ``frexp`` (-148 .. 128), one bin each.
+#: ``frexp`` exponents -150 .. 129 (every float32's, and -150 for zero), one bin each.
 BINS = 280
 _LOWEST = -150
 
