@@ -49,8 +49,8 @@ def reference(count, mean):
       stacked))
 
 
-@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, mean", [(k, False) for k in KINDS] + [("hierarchical", True)],
+                         ids=[*KINDS, "hierarchical-mean"])
 def test_the_sum_has_the_reference_bits_on_any_layout(comm, kind, mean):
   per = 1 if kind == "flat" else 2
   replicas = comm.size * per
