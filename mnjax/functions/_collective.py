@@ -223,12 +223,12 @@ def _one_dtype(xs: list, caller: str) -> Any:
   return dtypes.pop()
 
 
-def _part_list(xs: Any, comm: Communicator, caller: str) -> list:
+def _part_list(xs: Any, comm: Communicator, caller: str, *, like: bool = False) -> list:
   if not isinstance(xs, (list, tuple)) or len(xs) != comm.size:
     raise ValueError(f"mnjax.functions.{caller}: xs must be a list of {comm.size} parts"
                      f" (part i for rank i), got {type(xs).__name__} of"
                      f" {len(xs) if isinstance(xs, (list, tuple)) else 'no'} parts.")
-  return [parts.part(p, caller, f"xs[{i}]") for i, p in enumerate(xs)]
+  return [parts.part(p, caller, f"xs[{i}]", like=like) for i, p in enumerate(xs)]
 
 
 def _allgather_parts(x: Any, comm: Communicator, shapes: tuple) -> tuple:
@@ -262,7 +262,7 @@ def _gather_parts(x: Any, comm: Communicator, root: Any, shapes: tuple) -> Any:
 
 
 def _scatter_parts(xs: Any, comm: Communicator, root: Any) -> jax.Array:
-  xs = _part_list(xs, comm, "scatter")
+  xs = _part_list(xs, comm, "scatter", like=True)
   dtype, shapes = _one_dtype(xs, "scatter"), tuple(tuple(p.shape) for p in xs)
   mine = shapes[comm.rank]
   arrays = not any(isinstance(p, jax.ShapeDtypeStruct) for p in xs)

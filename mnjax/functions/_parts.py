@@ -70,14 +70,18 @@ def table(shapes: Any, size: int, caller: str, *, square: bool = False) -> tuple
                for i, row in enumerate(shapes))
 
 
-def part(x: Any, caller: str, name: str = "x") -> jax.Array:
-  """`x` as an array MPI can move; unlike a whole payload it may be empty.
+def part(x: Any, caller: str, name: str = "x", *, like: bool = False) -> Any:
+  """`x` as an array MPI can move; unlike a whole payload it may be empty. With `like`, a
+  ``jax.ShapeDtypeStruct`` stands for a part another rank holds (`scatter`'s non-roots).
 
   Example:
     >>> part(jnp.zeros((0, 3)), "allgather").shape
     (0, 3)
   """
-  x = jnp.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
+  if isinstance(x, jax.ShapeDtypeStruct) and not like:
+    raise TypeError(f"mnjax.functions.{caller}: {name} must be an array (this rank's part),"
+                    f" got a jax.ShapeDtypeStruct {x}.")
+  x = x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x)
   checks.payload(jnp.zeros((1,), x.dtype), caller, name)  # the dtype check alone
   return x
 
