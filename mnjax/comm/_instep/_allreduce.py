@@ -92,7 +92,8 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
       sequence.note_collective(what, (size,),
                                bucket.dtype if wire_dtype is None else wire_dtype,
                                over=comm.mpi_comm)
-    with recorder.tagging("bucket allreduce", bucket=k, bytes=size * bucket.dtype.itemsize):
+    sent = (exact.LIMBS * size + exact.BINS) * 4 if comm.exact else size * bucket.dtype.itemsize
+    with recorder.tagging("bucket allreduce", bucket=k, bytes=sent):
       previous = _bucket(members, bucket, out, comm, wire_dtype, previous, mean, half_pack)
   if previous is not None:
     sequence.ORDER.put(previous)  # a later collective of the step comes after these
