@@ -105,6 +105,7 @@ class Checkpointer:
         differ between replicas (rank 0's copy would be everyone's on restore).
     """
     step = int(step)
+    state = own.own_inner_states(self.comm, state)  # local_sgd's inner states: every rank's
     steps = self.comm.mpi_comm.allgather(step) if self.comm.size > 1 else [step]
     if len(set(steps)) > 1:
       raise ValueError(
@@ -220,6 +221,7 @@ class Checkpointer:
       raise CheckpointTemplateError(
           f"{wrong} Nothing was loaded. Build the template's optimizer state with"
           " shard_optimizer(tx, comm).init(params) for this job's communicator.")
+    template = own.own_inner_states(self.comm, template)
     original = template
     template = own.whole_template(self.comm, template)  # every rank's PerRankState parts
     shards, template = template, sharded.whole_template(template)  # as written on disk
@@ -245,7 +247,7 @@ class Checkpointer:
     state = broadcast(state, self.comm, root=0)
     state = jax.tree.map(like, state, template)
     state = own.pick(self.comm, sharded.reshard(state, shards, like), original, like)
-    return outcome["step"], state, outcome["meta"]
+    return outcome["step"], own.without_own_inner_states(state), outcome["meta"]
 
   def resume(self, template: Any, *, requested: bool) -> tuple[int, Any, dict] | None:
     """`restore` when `requested`; else `FileExistsError` on every rank if checkpoints exist.

@@ -20,9 +20,11 @@ from mnjax.checkpoint._rank_nodes import check_on_every_rank, find
 from mnjax.checkpoint._template import is_key
 from mnjax.comm._communicator import Communicator
 from mnjax.comm._host import _transport as transport
+from mnjax.optim._local_sgd import LocalSGDState
 from mnjax.optim._shard_state import ShardedState
 
-__all__ = ["PerRankState", "check", "expand", "gather", "pick", "whole_template"]
+__all__ = ["PerRankState", "check", "expand", "gather", "own_inner_states", "pick",
+           "whole_template", "without_own_inner_states"]
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -181,3 +183,38 @@ def pick(comm: Communicator, state: Any, template: Any, like: Callable[[Any, Any
                            rank=t.rank, size=t.size)
     out.append(value)
   return jax.tree.unflatten(treedef, out)
+
+
+def _is_local(x: Any) -> bool:
+  return isinstance(x, LocalSGDState)
+
+
+def own_inner_states(comm: Communicator, tree: Any) -> Any:
+  """`tree` with each `LocalSGDState`'s ``inner_state`` (each replica's own optimizer
+  state) in a `PerRankState`, so that every rank's is saved and restored.
+
+  Example:
+    >>> tx = mnjax.optim.local_sgd(optax.adam(0.1), comm, every_k=2)
+    >>> own = own_inner_states(comm, tx.init({"w": jnp.ones(2)}))
+    >>> type(own.inner_state).__name__
+    'PerRankState'
+  """
+  return jax.tree.map(
+      lambda s: s._replace(inner_state=PerRankState(s.inner_state, comm)) if _is_local(s) else s,
+      tree, is_leaf=_is_local)
+
+
+def without_own_inner_states(tree: Any) -> Any:
+  """The inverse of `own_inner_states`.
+
+  Example:
+    >>> tx = mnjax.optim.local_sgd(optax.adam(0.1), comm, every_k=2)
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> back = without_own_inner_states(own_inner_states(comm, state))
+    >>> jax.tree.structure(back) == jax.tree.structure(state)
+    True
+  """
+  return jax.tree.map(
+      lambda s: s._replace(inner_state=s.inner_state.inner)
+      if _is_local(s) and isinstance(s.inner_state, PerRankState) else s,
+      tree, is_leaf=_is_local)

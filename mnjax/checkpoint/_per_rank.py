@@ -23,6 +23,7 @@ from mnjax.comm._host._signature import leaf_paths
 from mnjax.guard._consensus import fingerprints
 from mnjax.optim._accumulation import AccumulationState
 from mnjax.optim._double_buffering import PendingGradient
+from mnjax.optim._local_sgd import LocalSGDState
 from mnjax.optim._shard_state import ShardedState
 
 __all__ = ["differences", "mid_cycle"]
@@ -77,6 +78,12 @@ def _fix(paths: list[str], state: Any) -> str:
         " flushed: call"
         " opt_state = mnjax.train.flush_pending(opt_state, comm) on every rank before saving,"
         " and train on with that state (lab.runner.train_loop does both)")
+  if any(isinstance(x, LocalSGDState) for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, LocalSGDState))):
+    fixes.append(
+        "local_sgd's replicas differ between meetings: save right after a meeting (call"
+        " opt_state = mnjax.optim.meet_next_step(opt_state) on every rank before the step"
+        " that precedes the save) with params = opt_state.anchor, the meeting's bits")
   if any("['batch_stats']" in p for p in paths):
     fixes.append(
         "BatchNorm statistics of per-replica flax nn.BatchNorm differ between replicas: use"

@@ -10,6 +10,8 @@
   `raise_if_diverging` ends a run that keeps skipping.
 * `dynamic_loss_scale`: float16 loss scaling (flax's ``DynamicScale``) on top of it: every
   rank skips and lowers the scale together; `loss_scale_state` reads the scale in the step.
+* `local_sgd`: local SGD / DiLoCo: each replica steps alone, the replicas meet every k steps
+  (one exchange per round; `LocalSGDState`); `meet_next_step` ends a round early.
 * `shard_optimizer`: ZeRO-1, the optimizer state sharded over ranks (in place of the
   chain above); `gather_optimizer_state` / `scatter_optimizer_state` for checkpoints.
 * `replace_inner_state`: a ported script's saved `tx` state put into a wrapper's state.
@@ -25,6 +27,7 @@ from mnjax.optim._accumulation import AccumulationState, accumulate_gradients
 from mnjax.optim._allreduce import allreduce_gradients
 from mnjax.optim._double_buffering import DoubleBufferingState
 from mnjax.optim._inner_state import replace_inner_state
+from mnjax.optim._local_sgd import LocalSGDState, local_sgd, meet_next_step
 from mnjax.optim._loss_scale import DynamicLossScaleState, dynamic_loss_scale, loss_scale_state
 from mnjax.optim._multi_node import create_multi_node_optimizer
 from mnjax.optim._nonfinite import (
@@ -40,6 +43,7 @@ __all__ = [
     "AccumulationState",
     "DoubleBufferingState",
     "DynamicLossScaleState",
+    "LocalSGDState",
     "ShardedState",
     "SkipNonFiniteState",
     "accumulate_gradients",
@@ -48,7 +52,9 @@ __all__ = [
     "create_multi_node_optimizer",
     "dynamic_loss_scale",
     "gather_optimizer_state",
+    "local_sgd",
     "loss_scale_state",
+    "meet_next_step",
     "raise_if_diverging",
     "recipes",
     "replace_inner_state",

@@ -143,6 +143,11 @@ def gradient_exchange(comm, caller: str, *, mean: bool = True, wire_dtype: Any =
 
   def check(updates, params=None, state=None, **more):
     bucketing.check_float_leaves(updates, caller, real=real)
+    if any(what == "local_sgd" for what, _ in sequence.enclosing_options()):
+      raise ValueError(
+          f"{caller} inside local_sgd's tx: local SGD steps on each replica's own gradient"
+          " and exchanges only when the replicas meet, so an exchange in every step would"
+          " undo it. Pass the plain optimizer: local_sgd(optax.adamw(1e-3), comm, every_k=8).")
     signature = dict(compared, **{"gradient tree": preflight.tree_signature(updates)})
     if params is not None:
       signature["parameter tree"] = preflight.tree_signature(params)
