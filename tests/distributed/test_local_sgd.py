@@ -1,8 +1,8 @@
 """local_sgd: each replica steps on its own gradient and the replicas meet every k steps
 (plain averaging and DiLoCo's outer Nesterov step, as a NumPy reference computes them, on a
-16-bit wire too) on an anchor with the same bits everywhere, which each replica's parameters equal but in
-the elements it counts as inexact, one exchange per round on the wire, the state checkpointed per rank and
-resumed bitwise, and bad arguments refused when built.
+16-bit wire too) on an anchor with the same bits everywhere, which each replica's parameters
+equal but in the elements it counts as inexact; one exchange per round on the wire; the state
+checkpointed per rank and resumed bitwise; bad arguments refused when built.
 
 Runs as one process and under mpirun -n 2 and -n 3 (tests/jobs/test_mpirun.py).
 """
