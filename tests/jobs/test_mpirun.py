@@ -18,7 +18,8 @@ AT_3 = tuple(f"tests/distributed/{name}.py" for name in (
     "test_agreement", "test_collectives", "test_exact_replicas", "test_functions",
     "test_functions_parts", "test_host", "test_host_collectives", "test_iterators",
     "test_local_sgd", "test_multi_node_chain", "test_multi_node_rnn", "test_preflight",
-    "test_scatter_root", "test_shard", "test_shard_checkpoint", "test_sharding", "test_split", "test_wire"))
+    "test_scatter_root", "test_shard", "test_shard_checkpoint", "test_sharding", "test_split",
+    "test_wire"))
 # SyncBatchNorm over 3 replicas (an odd count), flat kind only: its statistics, gradients and
 # steps against the global batch, and its persistent averages. The multi-device kinds cost
 # minutes at 3 x 2 emulated devices on 2 cores and prove nothing 2 x 2 does not.
