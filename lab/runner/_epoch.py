@@ -5,7 +5,8 @@ run) with everything each step needs around it: the watchdog and timeline marks,
 divergence check on `mnjax.skip_nonfinite`'s counters every `DIVERGENCE_CHECK_EVERY` steps,
 the progress bar, a checkpoint every ``checkpoint_steps`` steps, and on a preemption signal a
 last checkpoint and `Preempted` on every rank. `flushed` is what a checkpoint of rank 0 must
-hold with double buffering.
+hold with double buffering; with local SGD the epoch's last step ends the round and `met`
+takes the meeting's bits.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from lab.runner._run_config import RunConfig
 from mnjax.comm._communicator import Communicator
 from mnjax.guard import Timeline
 from mnjax.guard._watchdog import Watchdog
+from mnjax.optim import LocalSGDState, meet_next_step
 from mnjax.optim._nonfinite import raise_if_diverging
 from mnjax.train._pending import flush_pending
 
-__all__ = ["DIVERGENCE_CHECK_EVERY", "flushed", "run_epoch"]
+__all__ = ["DIVERGENCE_CHECK_EVERY", "flushed", "met", "run_epoch"]
 
 # Reading the skip counter waits for a step: every 10 steps it costs nothing measurable.
 DIVERGENCE_CHECK_EVERY = 10
@@ -41,6 +43,18 @@ def flushed(state: TrainState, comm: Communicator, config: RunConfig) -> TrainSt
   if not config.double_buffering:
     return state
   return state.replace(opt_state=flush_pending(state.opt_state, comm))
+
+
+def met(state: TrainState) -> TrainState:
+  """`state` right after a `mnjax.optim.local_sgd` meeting, with its parameters set to the
+  meeting's anchor: the same bits on every replica (what evaluation, the replica comparison
+  and a checkpoint of rank 0 need). The run trains on with it."""
+  found = [s for s in jax.tree.leaves(state.opt_state, is_leaf=_is_local) if _is_local(s)]
+  return state.replace(params=found[0].anchor)
+
+
+def _is_local(x: Any) -> bool:
+  return isinstance(x, LocalSGDState)
 
 
 def run_epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: Any, step: int,
@@ -67,6 +81,8 @@ def run_epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: An
       if batch is None:
         raise ValueError(f"train_loop: batches({epoch}, {begin}) ended after {i - begin}"
                          f" batches; steps_per_epoch is {steps}.")
+      if config.local_sgd and i == steps - 1:  # the replicas meet at the epoch's end
+        state = state.replace(opt_state=meet_next_step(state.opt_state))
       previous = state
       with profiler.before(step):
         state, metrics = train_step(state, batch[0], batch[1])
@@ -88,6 +104,8 @@ def run_epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: An
           checkpoints.save(step, state, sums, epoch, i + 1)
         checkpoints.wait()
         _stop(comm, config, signum, step, epoch, i + 1)
+    if config.local_sgd and steps > begin:
+      state = met(state)
     jax.block_until_ready(state)
   finally:
     bar.close()

@@ -19,6 +19,7 @@ from mnjax.optim import (
   SkipNonFiniteState,
   allreduce_gradients,
   create_multi_node_optimizer,
+  local_sgd,
   shard_optimizer,
   skip_nonfinite,
 )
@@ -35,6 +36,8 @@ def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicato
   on="update")`` (the all-gathered update is the same on every rank). With
   ``config.double_buffering``: ``create_multi_node_optimizer(skip_nonfinite(optimizer), comm,
   double_buffering=True, ...)``, ChainerMN's (the optimizer first runs at the second step).
+  With ``config.local_sgd`` K: ``local_sgd(skip_nonfinite(optimizer), comm, every_k=K, ...)``
+  (each replica skips its own non-finite steps).
 
   Example:
     >>> config = RunConfig(epochs=1, global_batch_size=8, workdir="runs/x")
@@ -45,6 +48,8 @@ def guarded_optimizer(optimizer: optax.GradientTransformation, comm: Communicato
                               bucket_bytes=bucket_bytes_from_mb(config.bucket_mb))
     return skip_nonfinite(sharded, on="update")
   options = dict(wire_dtype=config.wire_dtype, bucket_bytes=bucket_bytes_from_mb(config.bucket_mb))
+  if config.local_sgd:
+    return local_sgd(skip_nonfinite(optimizer), comm, every_k=config.local_sgd, **options)
   if config.double_buffering:
     return create_multi_node_optimizer(skip_nonfinite(optimizer), comm, double_buffering=True,
                                        **options)

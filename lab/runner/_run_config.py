@@ -54,6 +54,9 @@ class RunConfig:
                         " platform default; 0: one buffer per dtype")
   double_buffering: bool = flag(False, help="apply the previous step's reduced gradients"
                                 " while this step's wait (ChainerMN's double buffering)")
+  local_sgd: int = flag(0, minimum=0, help="local SGD: each replica steps on its own"
+                        " gradient and the replicas meet every K steps and at every epoch's"
+                        " end (mnjax.optim.local_sgd); 0: every step")
   shard_optimizer: bool = flag(False, help="ZeRO-1: each rank keeps 1/P of the optimizer"
                                " state (mnjax.shard_optimizer; kind flat)")
   progress: bool = flag(True, help="rank 0 shows a progress bar")
@@ -83,6 +86,15 @@ class RunConfig:
     parse_signals(self.checkpoint_on_signal)
     profile_window(self.profile_steps)
     bucket_bytes_from_mb(self.bucket_mb)
+    if self.local_sgd:
+      clash = [f"--{name}" for name in ("shard_optimizer", "double_buffering", "replicas",
+                                        "checkpoint_steps") if getattr(self, name)]
+      if clash:
+        raise ValueError(
+            f"--local_sgd {self.local_sgd} cannot be combined with {', '.join(clash)}: the"
+            " replicas differ between meetings (no exact sums over them, no mid-epoch"
+            " checkpoint; they meet at every epoch's end, where the checkpoint is), and"
+            " local SGD exchanges nothing in between. Drop one of them.")
     if self.shard_optimizer and self.double_buffering:
       raise ValueError(
           "--shard_optimizer and --double_buffering cannot be combined: the sharded optimizer"

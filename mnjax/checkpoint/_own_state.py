@@ -190,8 +190,8 @@ def _is_local(x: Any) -> bool:
 
 
 def own_inner_states(comm: Communicator, tree: Any) -> Any:
-  """`tree` with each `LocalSGDState`'s ``inner_state`` (each replica's own optimizer
-  state) in a `PerRankState`, so that every rank's is saved and restored.
+  """`tree` with each `LocalSGDState`'s ``inner_state`` and ``inexact`` (each replica's own
+  optimizer state and count) in `PerRankState` s, so that every rank's is saved and restored.
 
   Example:
     >>> tx = mnjax.optim.local_sgd(optax.adam(0.1), comm, every_k=2)
@@ -199,9 +199,10 @@ def own_inner_states(comm: Communicator, tree: Any) -> Any:
     >>> type(own.inner_state).__name__
     'PerRankState'
   """
-  return jax.tree.map(
-      lambda s: s._replace(inner_state=PerRankState(s.inner_state, comm)) if _is_local(s) else s,
-      tree, is_leaf=_is_local)
+  def own(s):
+    return s._replace(inner_state=PerRankState(s.inner_state, comm),
+                      inexact=PerRankState(s.inexact, comm))
+  return jax.tree.map(lambda s: own(s) if _is_local(s) else s, tree, is_leaf=_is_local)
 
 
 def without_own_inner_states(tree: Any) -> Any:
@@ -214,7 +215,8 @@ def without_own_inner_states(tree: Any) -> Any:
     >>> jax.tree.structure(back) == jax.tree.structure(state)
     True
   """
+  def whole(s):
+    return s._replace(inner_state=s.inner_state.inner, inexact=s.inexact.inner)
   return jax.tree.map(
-      lambda s: s._replace(inner_state=s.inner_state.inner)
-      if _is_local(s) and isinstance(s.inner_state, PerRankState) else s,
+      lambda s: whole(s) if _is_local(s) and isinstance(s.inner_state, PerRankState) else s,
       tree, is_leaf=_is_local)

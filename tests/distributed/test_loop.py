@@ -81,6 +81,32 @@ def test_the_loop_trains_logs_checkpoints_and_skips_a_nan_step_anywhere_in_the_c
   assert final["test_accuracy"] == record["test_accuracy"]
 
 
+@pytest.mark.slow
+def test_local_sgd_meets_at_every_epoch_end_and_resumes_bitwise(comm, tmp_path):
+  """--local_sgd 2 over epochs of 3 steps: a meeting at step 2 and one forced at each epoch's
+  end; identical replicas there, and a run resumed after epoch 1 equals the uninterrupted one
+  bit for bit (each rank's inner optimizer state restored to it)."""
+  def go(workdir, epochs, resume=False):
+    cfg = RunConfig(epochs=epochs, global_batch_size=8 * comm.size, workdir=str(workdir),
+                    progress=False, local_sgd=2, resume=resume)
+    tx = lab.runner.guarded_optimizer(optax.adam(1e-2), comm, cfg)
+    return train_loop(cfg, comm, state_for(comm, tx), make_train_step(comm), batches_for(comm),
+                      steps_per_epoch=STEPS,
+                      eval_batches=lambda: eval_batches(DIGITS.images[:40], DIGITS.labels[:40],
+                                                        comm, 8 * comm.size))
+  whole, _ = go(tmp_path / "whole", 2)
+  mnjax.check_replicas(whole.params, comm)
+  assert int(whole.opt_state.steps_left) == 2  # the epoch's end met
+  go(tmp_path / "cut", 1)
+  resumed, _ = go(tmp_path / "cut", 2, resume=True)
+  jax.tree.map(np.testing.assert_array_equal, resumed.params, whole.params)
+  jax.tree.map(np.testing.assert_array_equal, resumed.opt_state.inner_state,
+               whole.opt_state.inner_state)
+  with pytest.raises(ValueError, match="--local_sgd 2 cannot be combined with --checkpoint_steps"):
+    RunConfig(epochs=1, global_batch_size=8, workdir=str(tmp_path), local_sgd=2,
+              checkpoint_steps=5)
+
+
 def test_the_loop_refuses_an_optimizer_without_skip_nonfinite(comm, tmp_path):
   tx = optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3))
   with pytest.raises(ValueError, match="holds no skip_nonfinite state"):
