@@ -14,8 +14,9 @@ four jobs, each `lab.bench.cluster_worker` under ``python -m lab.cluster run``:
 
 * ``flat``, 1 rank per node (the link alone): float32 exchanges of 1, 4, 8 and 16 MB (the fit)
   and of ResNet-50's 102 MB gradient, fp32 and bf16 wire;
-* ``flat``, 2 ranks per node; ``hierarchical`` (fp32, bf16) and ``two_dimensional``, 1
-  process x 2 emulated devices per node: the 102 MB exchange.
+* ``flat``, 2 ranks per node (fp32, and bf16: the node-aware 16-bit wire); ``hierarchical``
+  (fp32, bf16) and ``two_dimensional``, 1 process x 2 emulated devices per node: the 102 MB
+  exchange.
 
 The step exchanges a flat float32 vector and applies SGD; its cost without the exchange is
 timed in the same job and subtracted: the exchange time. Alpha and bandwidth are fitted
@@ -79,7 +80,7 @@ def fit_job(*, nodes, rate, steps, folder, sizes=FIT, relative=False) -> link.Li
 def _point(nodes, rate, steps, folder, big):
   rows = _job("flat", [*FIT, big], ["fp32", "bf16"], nodes=nodes, rate=rate,
               ranks_per_node=1, devices=None, steps=steps, folder=folder)
-  rows += _job("flat", [big], ["fp32"], nodes=nodes, rate=rate, ranks_per_node=2,
+  rows += _job("flat", [big], ["fp32", "bf16"], nodes=nodes, rate=rate, ranks_per_node=2,
                devices=None, steps=steps, folder=folder)
   rows += _job("hierarchical", [big], ["fp32", "bf16"], nodes=nodes, rate=rate,
                ranks_per_node=1, devices=2, steps=steps, folder=folder)
@@ -125,6 +126,7 @@ def _print(point):
       "two_dimensional/flat(2 per node)": _ratio(rows, ("two_dimensional", 1, "fp32"),
                                                  ("flat", 2, "fp32")),
       "bf16/fp32 (flat, 1 per node)": _ratio(rows, ("flat", 1, "bf16"), ("flat", 1, "fp32")),
+      "bf16/fp32 (flat, 2 per node)": _ratio(rows, ("flat", 2, "bf16"), ("flat", 2, "fp32")),
       "bf16/fp32 (hierarchical)": _ratio(rows, ("hierarchical", 1, "bf16"),
                                          ("hierarchical", 1, "fp32")),
   }

@@ -91,9 +91,11 @@ def step_point(nodes: int, rate: str, fit, args, folder) -> dict:
     if not models:
       continue
     # Predicted first, from the plan alone (the function the worker records its plan with).
+    # local SGD: the exchange once per every_k steps (plus one float per leaf).
     predicted = {m: {v: fit and predicted_exchange(
         fit, kind, bucket_plan(m, v), nodes=nodes, ranks_per_node=rpn,
-        bf16="wire_dtype" in VARIANTS[v][0]) for v in variants} for m in models}
+        bf16="wire_dtype" in VARIANTS[v][0]) / VARIANTS[v][0].get("local_sgd", 1)
+        for v in variants} for m in models}
     start = time.perf_counter()
     try:
       got = _job(kind, rpn, devices, models, variants, nodes=nodes, rate=rate, args=args,

@@ -7,7 +7,8 @@ allreduce,double_buffering --out r.json`` under ``python -m lab.cluster run`` (o
 digits per device) and ``resnet``, a ResNet-10 (`lab.models.ResNet`, one `BasicBlock` per
 stage, CIFAR stem, per-rank BatchNorm, momentum SGD) on synthetic 8x8 images, 4 per device:
 4.9M parameters, small enough that at 1 Gbit/s its exchange, not its compute, is most of
-the step. Variants (`VARIANTS`) are optax chains over the same step; ``no_communication``
+the step. Variants (`VARIANTS`) are optax chains over the same step (``local_sgd8``: rounds
+of whole multiples of 8 steps, so each holds its meetings); ``no_communication``
 is always timed: plain optax (one device per rank) or gradients averaged over the
 process's own devices only (several), as in ``python -m lab.bench kinds``. Rounds
 alternate between variants (`lab.bench.rounds.time_rounds`: slowest rank, median).
@@ -32,6 +33,7 @@ VARIANTS = {
     "allreduce_bf16_wire": ({"wire_dtype": "bfloat16"}, False),
     "buckets_backprop_order": ({}, True),              # the GPU's timing: leave when ready
     "double_buffering": ({"double_buffering": True}, False),
+    "local_sgd8": ({"local_sgd": 8}, False),           # mnjax.optim.local_sgd, every_k=8
 }
 MODELS = ("cnn", "resnet")
 
@@ -104,7 +106,9 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
     options = dict(VARIANTS[v][0])
     if "wire_dtype" in options:
       options["wire_dtype"] = jax.numpy.dtype(options["wire_dtype"])
-    chains[v] = mnjax.create_multi_node_optimizer(opt, comm, **options)
+    every_k = options.pop("local_sgd", None)
+    chains[v] = (mnjax.optim.local_sgd(opt, comm, every_k=every_k, **options) if every_k
+                 else mnjax.create_multi_node_optimizer(opt, comm, **options))
   states, steps = {}, {}
   for v, tx in chains.items():
     step = make_train_step(local if v == "no_communication" and local else comm)
@@ -121,8 +125,11 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
       plans[v] = bucket_plan(name, v)
   runs = {v: functools.partial(lambda s, step: step(s, images, labels)[0], step=steps[v])
           for v in states}
-  seconds = time_rounds(states, runs, comm.mpi_comm, rounds=args.rounds,
-                        steps=args.cnn_steps if name == "cnn" else args.steps)
+  steps = args.cnn_steps if name == "cnn" else args.steps
+  rounds_of = [VARIANTS[v][0].get("local_sgd", 1) for v in variants]
+  period = max(rounds_of, default=1)
+  steps = -(-steps // period) * period  # local SGD: whole rounds, one meeting per round
+  seconds = time_rounds(states, runs, comm.mpi_comm, rounds=args.rounds, steps=steps)
   n = sum(x.size for x in jax.tree.leaves(states["no_communication"].params))
   return {"params": int(n), "grad_bytes": 4 * int(n), "images_per_device": per_device,
           "bucket_bytes": plans, "seconds_per_step": seconds}

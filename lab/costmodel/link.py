@@ -61,9 +61,8 @@ def uplink_bytes(kind: str, nbytes: float, *, nodes: int, ranks_per_node: int = 
     return nbytes * (ranks_per_node * (1 - 1 / nodes) + (1 - 1 / ranks))
   if wire_bits == 32:
     return 2 * nbytes * (1 - 1 / nodes)
-  if kind == "flat" and ranks_per_node > 1:
-    raise ValueError("the 16-bit wire's bytes are modelled for one MPI rank per node "
-                     "(hierarchical, two_dimensional, or flat with one rank per node)")
+  # Node-aware: float32 within the node, the node's buffer once in 16 bits across (flat with
+  # several ranks per node: each rank its 1/k shard), whatever the ranks per node.
   return nbytes * (1 - 1 / nodes)
 
 

@@ -6,7 +6,7 @@ divergence check on `mnjax.skip_nonfinite`'s counters every `DIVERGENCE_CHECK_EV
 the progress bar, a checkpoint every ``checkpoint_steps`` steps, and on a preemption signal a
 last checkpoint and `Preempted` on every rank. `flushed` is what a checkpoint of rank 0 must
 hold with double buffering; with local SGD the epoch's last step ends the round and `met`
-takes the meeting's bits.
+takes the meeting's bits (after a signal, the next step does, then the checkpoint).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from tqdm import tqdm
 
 from lab.runner._classifier import TrainState
@@ -50,7 +51,7 @@ def met(state: TrainState) -> TrainState:
   meeting's anchor: the same bits on every replica (what evaluation, the replica comparison
   and a checkpoint of rank 0 need). The run trains on with it."""
   found = [s for s in jax.tree.leaves(state.opt_state, is_leaf=_is_local) if _is_local(s)]
-  return state.replace(params=found[0].anchor)
+  return state.replace(params=jax.tree.map(jnp.copy, found[0].anchor))  # not an alias
 
 
 def _is_local(x: Any) -> bool:
@@ -67,7 +68,7 @@ def run_epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: An
   bar = tqdm(total=steps - begin, desc=f"epoch {epoch}", leave=False,
              disable=not (comm.is_root and config.progress))
   iterator = iter(batches)
-  images, waited = 0, 0.0
+  images, waited, stopping = 0, 0.0, 0
   start = time.perf_counter()
   try:
     for i in range(begin, steps):
@@ -81,13 +82,18 @@ def run_epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: An
       if batch is None:
         raise ValueError(f"train_loop: batches({epoch}, {begin}) ended after {i - begin}"
                          f" batches; steps_per_epoch is {steps}.")
-      if config.local_sgd and i == steps - 1:  # the replicas meet at the epoch's end
+      # Local SGD: the replicas meet at the epoch's end, and one step after a signal.
+      meeting = bool(config.local_sgd) and (i == steps - 1 or bool(stopping))
+      if meeting:
         state = state.replace(opt_state=meet_next_step(state.opt_state))
       previous = state
       with profiler.before(step):
         state, metrics = train_step(state, batch[0], batch[1])
+      if meeting:
+        state = met(state)
       if step % DIVERGENCE_CHECK_EVERY == 0:  # the previous step's counter: read meanwhile
-        raise_if_diverging(previous.opt_state, config.max_consecutive_skips)
+        raise_if_diverging(previous.opt_state, config.max_consecutive_skips,
+                           comm if config.local_sgd else None)  # local skips: agree
       sums = jax.tree.map(lambda a, b: a + b, sums, metrics)
       images += len(batch[1])
       step += 1
@@ -97,15 +103,16 @@ def run_epoch(config: RunConfig, comm: Communicator, state: TrainState, sums: An
       if saved:
         state = flushed(state, comm, config)
         checkpoints.save(step, state, sums, epoch, i + 1)
-      signum = preemption.poll()
+      signum = stopping or preemption.poll()
+      if signum and config.local_sgd and not meeting:  # the replicas differ: meet first
+        stopping = signum
+        continue
       if signum:
         if not saved:  # flushing twice would sum the pending gradients twice
           state = flushed(state, comm, config)
           checkpoints.save(step, state, sums, epoch, i + 1)
         checkpoints.wait()
         _stop(comm, config, signum, step, epoch, i + 1)
-    if config.local_sgd and steps > begin:
-      state = met(state)
     jax.block_until_ready(state)
   finally:
     bar.close()

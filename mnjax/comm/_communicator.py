@@ -58,6 +58,9 @@ class Communicator:
     device_comm: a second clone, for collectives inside jitted steps only (so host and
       in-step collectives in flight together are never matched).
     device_comms: multi-device kinds: one clone per local device index ``i``.
+    node_comms: ``flat`` over several nodes with the same number of processes on each:
+      ``(within this node, across nodes among the processes of this node's index)``, for the
+      node-aware 16-bit wire; else ``()``.
     devices: the local JAX devices this process drives.
     uid: the same random number on every rank of this communicator (rank 0's, broadcast at
       creation), distinct between communicators: ranks order communicators of the same
@@ -89,6 +92,7 @@ class Communicator:
   mpi_comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
   device_comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
   device_comms: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
+  node_comms: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
   devices: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
   uid: int = dataclasses.field(default=0, compare=False, hash=False, repr=False)
   exact: bool = False
@@ -240,6 +244,11 @@ def assemble(kind: str, clone: MPI.Intracomm, topology: tuple[int, int, int, int
     True
   """
   intra_rank, intra_size, inter_rank, inter_size = topology
+  node_comms = ()
+  if kind == "flat" and clone.size > 1:  # every rank decides alike: one allgather
+    sizes = set(clone.allgather(intra_size))
+    if len(sizes) == 1 and 1 < intra_size < clone.size:
+      node_comms = (clone.Split(inter_rank, intra_rank), clone.Split(intra_rank, inter_rank))
   uid = clone.bcast(int.from_bytes(os.urandom(8), "little") if clone.rank == 0 else None)
   return Communicator(
       kind=kind,
@@ -255,6 +264,7 @@ def assemble(kind: str, clone: MPI.Intracomm, topology: tuple[int, int, int, int
       mpi_comm=clone,
       device_comm=clone.Clone(),
       device_comms=tuple(clone.Clone() for _ in devices) if kind in MULTI_DEVICE_KINDS else (),
+      node_comms=node_comms,
       devices=devices,
       uid=uid,
       exact=exact,

@@ -18,7 +18,8 @@ target (a parameter that starts at zero, a bias, does this often). Those element
 two units in the last place of it and are counted in the state's ``inexact``. Where the last
 bit matters (an evaluation, a checkpoint), take ``params = opt_state.anchor`` right after a
 meeting; `lab.runner.train_loop` does at every epoch's end. The grid moves the target by at
-most 2**-23 of that magnitude.
+most one unit in the last place of that magnitude, which grows with the replica count (the
+drifts are summed, a bound on their largest).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def local_sgd(tx: optax.GradientTransformation, comm, *, every_k: int,
       preflight_timeout=preflight_timeout,
       options={"every_k": every_k, "outer": outer is not None})
   inner = optax.with_extra_args_support(tx)
+  outer_inner = None if outer is None else optax.with_extra_args_support(outer)
 
   def init_fn(params):
     exchange.check_params(params)
@@ -141,12 +143,12 @@ def local_sgd(tx: optax.GradientTransformation, comm, *, every_k: int,
     _refuse_exchanging_inner(inner_state)
     return LocalSGDState(
         steps_left=jnp.asarray(every_k, jnp.int32),
-        anchor=jax.tree.map(jnp.asarray, params),
+        anchor=jax.tree.map(jnp.array, params),  # a copy: a donated step may reuse params
         outer_state=optax.EmptyState() if outer is None else outer.init(params),
         inner_state=inner_state,
         inexact=jnp.zeros((), jnp.int32))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(f"{_CALLER}: update needs params (the replicas move to a common"
                        " target, target - params): tx.update(grads, opt_state, params).")
@@ -154,19 +156,26 @@ def local_sgd(tx: optax.GradientTransformation, comm, *, every_k: int,
       raise TypeError(f"{_CALLER}: the state must be a LocalSGDState (from this"
                       f" transformation's init), got {type(state).__name__}.")
     exchange.check(updates, params, None)
-    check_inner_update(comm, _CALLER, inner, updates, state.inner_state, params, {})
-    with sequence.enclosing(_CALLER, {"every_k": every_k}):
-      local_updates, inner_state = inner.update(updates, state.inner_state, params)
+    with sequence.enclosing(_CALLER, {"every_k": every_k}):  # an exchange inside: refused
+      check_inner_update(comm, _CALLER, inner, updates, state.inner_state, params, extra_args)
+      local_updates, inner_state = inner.update(updates, state.inner_state, params,
+                                                **extra_args)
+    if outer is not None:  # another outer optimizer on one rank: anchors that drift apart
+      check_inner_update(comm, _CALLER, outer_inner, state.anchor, state.outer_state,
+                         state.anchor, {})
 
     def meeting(operands):
       local_updates, outer_state = operands
       local = optax.apply_updates(params, local_updates)
       target, outer_state = meet(exchange.reduce, comm.num_replicas, params, local,
                                  state.anchor, outer, outer_state)
-      new_updates = jax.tree.map(lambda t, p: (t - p).astype(p.dtype), target, params)
+      new_updates = jax.tree.map(  # in float32 at least: a 16-bit parameter lands exactly
+          lambda t, p, u: (t.astype(jnp.promote_types(p.dtype, jnp.float32))
+                           - p.astype(jnp.promote_types(p.dtype, jnp.float32))).astype(u.dtype),
+          target, params, local_updates)
       landed = jax.tree.map(lambda p, u, t: optax.apply_updates(p, u) == t,
                             params, new_updates, target)
-      inexact = sum((jnp.size(x) - jnp.sum(x, dtype=jnp.int32) for x in jax.tree.leaves(landed)),
+      inexact = sum((jnp.sum(~x, dtype=jnp.int32) for x in jax.tree.leaves(landed)),
                     jnp.zeros((), jnp.int32))
       return new_updates, target, outer_state, inexact.astype(jnp.int32)
 

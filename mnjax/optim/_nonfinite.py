@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from mpi4py import MPI
 
 from mnjax.optim._shard_state import ShardedState
 
@@ -102,9 +103,12 @@ def skip_nonfinite(inner: optax.GradientTransformation, *, on: str = "gradient"
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def raise_if_diverging(opt_state: Any, max_consecutive_skips: int) -> None:
+def raise_if_diverging(opt_state: Any, max_consecutive_skips: int, comm: Any = None) -> None:
   """Raises `FloatingPointError` when a `skip_nonfinite` in `opt_state` has skipped more than
   `max_consecutive_skips` steps in a row (on every rank together).
+
+  Where each replica skips its own steps (`skip_nonfinite` inside `local_sgd`), pass `comm`:
+  the ranks agree on the longest streak (one small allreduce), so that all of them raise.
 
   Pass the previous step's state, so that reading the counter does not stall the step in flight.
 
@@ -134,6 +138,8 @@ def raise_if_diverging(opt_state: Any, max_consecutive_skips: int) -> None:
     raise ValueError("raise_if_diverging: opt_state holds no skip_nonfinite state; wrap the"
                      " optimizer in mnjax.skip_nonfinite(...).")
   streak = max(int(s.consecutive) for s in found)
+  if comm is not None and comm.size > 1:
+    streak = comm.mpi_comm.allreduce(streak, op=MPI.MAX)
   if streak > max_consecutive_skips:
     raise FloatingPointError(
         f"mnjax: {streak} consecutive steps had non-finite (NaN or Inf) gradients on some"

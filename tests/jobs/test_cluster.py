@@ -78,6 +78,7 @@ def runs(tmp_path_factory):
   got = {
       # + shard_optimizer's reduce-scatter and allgather in the same job (its runs[1])
       "flat": _cluster_run(tmp, "flat", kind="flat", ranks_per_node=2, extra=["--shard"]),
+      "flat_bf16": _cluster_run(tmp, "flat16", kind="flat", wire="bf16", ranks_per_node=2),
       "hierarchical": _cluster_run(tmp, "hier", kind="hierarchical", devices=2),
       "hierarchical_bf16": _cluster_run(tmp, "hier16", kind="hierarchical", wire="bf16",
                                         devices=2),
@@ -91,8 +92,9 @@ def runs(tmp_path_factory):
 
 @needs_namespaces
 @pytest.mark.parametrize("name,kind,ranks_per_node,wire_bits", [
-    ("flat", "flat", 2, 32), ("hierarchical", "hierarchical", 1, 32),
-    ("hierarchical_bf16", "hierarchical", 1, 16), ("two_dimensional", "two_dimensional", 1, 32),
+    ("flat", "flat", 2, 32), ("flat_bf16", "flat", 2, 16),
+    ("hierarchical", "hierarchical", 1, 32), ("hierarchical_bf16", "hierarchical", 1, 16),
+    ("two_dimensional", "two_dimensional", 1, 32),
     ("xla", "xla", 2, 32), ("shard_optimizer", "shard_optimizer", 2, 32)])
 def test_uplink_bytes_per_step_match_the_cost_model(runs, name, kind, ranks_per_node, wire_bits):
   result, counts = runs["flat" if name == "shard_optimizer" else name]
@@ -110,11 +112,14 @@ def test_uplink_bytes_per_step_match_the_cost_model(runs, name, kind, ranks_per_
 
 
 @needs_namespaces
-def test_bf16_wire_halves_the_bytes_and_hierarchical_matches_flat(runs):
+def test_bf16_wire_halves_the_bytes_node_aware_and_hierarchical_matches_flat(runs):
   fp32 = runs["hierarchical"][0]["nodes"][0]["tx_bytes"]
   bf16 = runs["hierarchical_bf16"][0]["nodes"][0]["tx_bytes"]
   flat = runs["flat"][0]["nodes"][0]["tx_bytes"]
   assert bf16 <= 0.55 * fp32, (bf16, fp32)
+  # flat at 2 ranks per node: node-aware (float32 within the node, 16 bits across)
+  flat16 = runs["flat_bf16"][0]["nodes"][0]["tx_bytes"]
+  assert flat16 <= 0.55 * flat, (flat16, flat)
   # MPICH's recursive halving with block placement is node-aware in bytes already: the model
   # (and this box) give hierarchical the same inter-node bytes as flat, not half.
   assert abs(fp32 / flat - 1) <= 0.10, (fp32, flat)

@@ -59,8 +59,9 @@ def test_uplink_bytes():
     assert link.uplink_bytes(kind, n, nodes=4, ranks_per_node=2) == pytest.approx(1.5 * n)
   assert link.uplink_bytes("hierarchical", n, nodes=4, wire_bits=16) == pytest.approx(0.75 * n)
   assert link.uplink_bytes("flat", n, nodes=1) == 0
-  with pytest.raises(ValueError, match="one MPI rank per node"):
-    link.uplink_bytes("flat", n, nodes=2, ranks_per_node=2, wire_bits=16)
+  for k in (1, 2, 4, 8):  # the node-aware 16-bit wire: half of float32's, at any k
+    assert link.uplink_bytes("flat", n, nodes=2, ranks_per_node=k, wire_bits=16) == (
+        pytest.approx(0.5 * link.uplink_bytes("flat", n, nodes=2, ranks_per_node=k)))
   with pytest.raises(ValueError, match="knows flat"):
     link.uplink_bytes("ring", n, nodes=2)
   # gloo's ring over every device: 2 nodes x 2 devices send 1.5 n per node, not n

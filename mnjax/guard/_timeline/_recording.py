@@ -105,7 +105,7 @@ class Timeline:
       raise ValueError(
           f"Timeline: rank 0 cannot write the trace to {self.path!r} ({problem}). Pass a path"
           f" in a writable folder (or set {ENV} to one); nothing was recorded.")
-    channels = [comm.device_comm, *comm.device_comms]
+    channels = [comm.device_comm, *comm.device_comms, *comm.node_comms]
     from mnjax.comm._instep._primitives import _handle  # noqa: PLC0415 (the lowerings' handles)
     self._channels = {_handle(c): i for i, c in reversed(list(enumerate(channels)))}
     self._seq: dict[Any, int] = {}
