@@ -105,8 +105,9 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
   settings = {k: getattr(config, k) for k in config.resume_settings}
   for name in ("double_buffering", "shard_optimizer"):  # another optimizer state: a resume
     settings[name] = bool(getattr(config, name))      # with the other setting is named
-  if config.local_sgd:  # the replicas' inner states: one state per rank
+  if config.local_sgd:  # each replica's own optimizer state: it resumes on as many ranks
     settings["local_sgd"] = config.local_sgd
+    settings["local_sgd_ranks"] = comm.size
   settings["replicas"] = config.replicas  # exact sums of another count: other bits
   resume = config.resume or requeued()  # Slurm's requeue reruns the same command
   checkpoints = LoopCheckpoints(
