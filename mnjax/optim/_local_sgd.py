@@ -1,25 +1,13 @@
 """Local SGD and DiLoCo: each replica steps on its own gradient, the replicas meet every k steps.
 
-`local_sgd(tx, comm, every_k=k, outer=None)` runs `tx` on each replica's own gradient with
-no exchange; on every k-th step it adds that step's own update, then exchanges the change
-since the last meeting (``anchor - local parameters``, one in-step allreduce of the
-parameters' size plus one float per leaf) and moves every replica to the same target:
-``anchor - mean change`` (Lin et al.'s local SGD), or ``anchor + outer(mean change)``
-(Douillard et al.'s DiLoCo, e.g. ``outer=optax.sgd(0.7, momentum=0.9, nesterov=True)``).
-
-The update of a meeting step is ``target - params``, and ``params + (target - params)`` is not
-always ``target`` in floating point: the meeting's bits are the state's ``anchor``, the same on
-every replica. The target is first rounded to a grid the replicas agree on, two units in the
-last place of the largest magnitude any replica's parameter can have (``|anchor| + 2 x`` the
-summed drifts); on it the subtraction is exact, or its rounding is undone by the addition,
-except where the target lies across zero from this replica's parameter and ``|target| +
-|param|`` reaches the power of two above ``|param|``: there no float32 update lands on the
-target (a parameter that starts at zero, a bias, does this often). Those elements stay within
-two units in the last place of it and are counted in the state's ``inexact``. Where the last
-bit matters (an evaluation, a checkpoint), take ``params = opt_state.anchor`` right after a
-meeting; `lab.runner.train_loop` does at every epoch's end. The grid moves the target by at
-most one unit in the last place of that magnitude, which grows with the replica count (the
-drifts are summed, a bound on their largest).
+`local_sgd(tx, comm, every_k=k, outer=None)` runs `tx` on each replica's own gradient; on
+every k-th step, after that step's own update, one in-step allreduce of the change since the
+last meeting (``anchor - local``, plus one float per leaf) moves every replica to ``anchor -
+mean change`` (local SGD) or ``anchor + outer(mean change)`` (DiLoCo). The meeting's bits are
+the state's ``anchor``, the same on every replica; ``params + (anchor - params)`` lands on
+them except in the elements counted in ``inexact`` (a target across zero from the
+parameter), so the target is first rounded to a grid the replicas agree on
+(`agreed_target`). Why and how: docs/design/optim.md, "Local SGD and DiLoCo".
 """
 
 from __future__ import annotations
