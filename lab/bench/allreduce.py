@@ -33,8 +33,9 @@ against raw MPI on one preallocated buffer (``raw_mpi_fused``; ``_in_place``: th
 message does not, so this is the fair limit for a per-leaf plan): one mpi4jax call per leaf,
 one mnjax call per leaf (``bucket_bytes=1``),
 the platform's default plan (``mnjax_default``, `mnjax.comm._instep._buckets.default_bucket_bytes`),
-buckets of several sizes, one fused buffer (``bucket_bytes=None``), and bf16 on the wire
-with one buffer and with the default buckets.
+buckets of several sizes, one fused buffer (``bucket_bytes=None``), bf16 on the wire
+with one buffer and with the default buckets, and the exact sum of ``replicas=P``
+(``mnjax_default_exact``: the same bits at any number of processes).
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def _resnet_fns(comm, fraction: float = 1.0) -> tuple[dict, dict]:
   import numpy as np
   from mpi4py import MPI
 
+  import mnjax
   from mnjax.comm._instep._allreduce import allreduce_tree
 
   shapes = _resnet_shapes(fraction)
@@ -206,6 +208,11 @@ def _resnet_fns(comm, fraction: float = 1.0) -> tuple[dict, dict]:
   fns["mnjax_fused"] = tree_fn(bucket_bytes=None)
   fns["mnjax_fused_bf16"] = tree_fn(bucket_bytes=None, wire_dtype=jnp.bfloat16)
   fns["mnjax_default_bf16"] = tree_fn(wire_dtype=jnp.bfloat16)
+  # The exact sum (create_communicator(..., replicas=P): two int32 limbs per element and
+  # the exponent histogram): the same bits on any number of processes.
+  exact = mnjax.create_communicator("flat", replicas=comm.size)
+  fns["mnjax_default_exact"] = jax.jit(lambda t: allreduce_tree(t, exact, mean=False),
+                                       donate_argnums=0)
   state = {name: [jnp.full(s, 1e-30, jnp.float32) for s in shapes] for name in fns}
   return fns, state
 

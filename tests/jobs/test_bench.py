@@ -98,7 +98,7 @@ def test_allreduce_benchmark_smoke(tmp_path):
   assert [row["bytes"] for row in sweep] == [4, 64, 1024]
   assert all(set(row["seconds"]) == set(SWEEP) for row in sweep)
   assert [row["bytes"] for row in data["psum"]["sweep"]] == [4, 64, 1024]
-  assert len(data["mpi"]["resnet50"]) == 14 and all(v > 0 for v in data["mpi"]["resnet50"].values())
+  assert len(data["mpi"]["resnet50"]) == 15 and all(v > 0 for v in data["mpi"]["resnet50"].values())
   assert "ResNet-50 gradient (161 leaves" in stdout
 
 
