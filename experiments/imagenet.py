@@ -35,6 +35,11 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
+# MPI starts before jax fills the heap: under srun, MPICH's PMI-2 client can send stray heap
+# bytes otherwise (docs/design/launchers.md, "MPI before jax").
+from mpi4py import MPI  # noqa: F401
+
+# isort: split
 import flax.linen as nn
 import jax
 import optax

@@ -2,8 +2,14 @@
 
 Prints one line per rank, ``DIGEST <sha256 of params and batch statistics>``, so the test
 can check that every rank ends with the same replica.
+
+MPI starts first, before jax and tensorflow-datasets fill the heap, as in experiments/imagenet.py:
+docs/design/launchers.md, "MPI before jax", says why the order matters under srun.
 """
 
+from mpi4py import MPI  # noqa: F401
+
+# isort: split
 import hashlib
 import os
 import sys
