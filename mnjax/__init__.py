@@ -7,25 +7,10 @@ Gradient allreduce is an optax transformation; MPI (through mpi4jax) moves the g
     params = mnjax.broadcast(params, comm, root=0)  # identical start on every rank
     tx = optax.chain(mnjax.allreduce_gradients(comm), optax.adam(1e-3))
 
-Run the script with ``mpirun -n 4 python train.py`` (or ``srun``), or without a launcher
-for a size-1 communicator.
+Run the script under ``mpirun -n 4`` or ``srun``, or alone for a size-1 communicator.
 
-The layers, each a subpackage whose ``__init__`` is its API (imports flow downwards only):
-
-* `mnjax.comm` — communicators, in-step and host collectives, the 16-bit wire, abort;
-* `mnjax.guard` — pre-flight checks, replica consensus, the watchdog;
-* `mnjax.functions` — ChainerMN's differentiable in-step communication (model parallelism);
-* `mnjax.optim` — the optax transformations and `mnjax.optim.recipes`;
-* `mnjax.nn` — `SyncBatchNorm`, `create_mnbn_model`;
-* `mnjax.data` — sharding, dataset sources, the loader, augmentations;
-* `mnjax.checkpoint` — verified, resumable checkpoints;
-* `mnjax.model_parallel` — a model whose stages live on ranks (`MultiNodeChain`), GPipe;
-* `mnjax.train` — `data_parallel`, exact metrics, the multi-node evaluator and early stopping.
-
-Benchmarks, the emulated cluster, the cost model and the experiments' runner live in the
-checkout's `lab/`, which imports mnjax and is not installed with it.
-
-The names below are the ones most scripts need.
+Subpackages, one layer each (docs/design/overview.md): comm, guard, functions, optim, nn, data,
+checkpoint, model_parallel, train. Re-exported here: the names most scripts need.
 """
 
 from mnjax import (

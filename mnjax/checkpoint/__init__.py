@@ -1,13 +1,10 @@
 """Checkpoints that survive a killed job: atomic, asynchronous, verified on restore.
 
-* `Checkpointer`: orbax underneath; rank 0 writes, every rank restores and checks.
-* `LoopCheckpoints`: the training loop's policy (every k steps, at the end of each epoch,
-  keep n) and bitwise resume.
-* `PerRankState`: a subtree that is each rank's own (a model-parallel stage): every rank's
-  is saved, each rank restores its own.
-* Errors, the same on every rank: `CorruptCheckpointError` (nothing reads back intact),
-  `CheckpointTemplateError` (an intact checkpoint of another tree than the template),
-  `CheckpointSaveError` (a write that did not reach the disk).
+* `Checkpointer`: rank 0 writes (orbax), every rank restores and checks.
+* `LoopCheckpoints`: a training loop's checkpoints, for a bitwise resume.
+* `PerRankState`: a subtree (a model-parallel stage) each rank saves and restores as its own.
+* Errors, raised on every rank: `CorruptCheckpointError`, `CheckpointTemplateError`,
+  `CheckpointSaveError`. Design: docs/design/checkpoints.md.
 
 Example::
 

@@ -1,15 +1,7 @@
-"""Checkpoints that can always be resumed: atomic, verified, the same step on every rank.
+"""`Checkpointer`: the collective side of a checkpoint (checks, gathers, errors on every rank).
 
-`Checkpointer` saves a pytree of training state with orbax-checkpoint and restores it
-exactly. Rank 0 writes (asynchronously by default) and the other ranks check that they save
-the same step and values: state that differs between replicas is refused on every rank
-(`mnjax.checkpoint._per_rank`), except `PerRankState` nodes (`_own_state`: every rank's is
-written) and `shard_optimizer` states (`_sharded`: written whole, re-sharded on restore).
-Each checkpoint carries a digest per leaf (`_verify`); restore reads the newest intact one
-on rank 0 (`_store`), skipping damaged ones, and broadcasts it. A failed background write is
-raised as `CheckpointSaveError` on every rank at the next `save`, `wait` or `close`.
-Design: docs/design/checkpoints.md.
-"""
+Rank 0 writes and reads through `_store`; `_per_rank`, `_sharded` and `_own_state` check and
+gather the state. Design: docs/design/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -47,13 +39,11 @@ class Checkpointer:
   """Saves and restores training state in `directory` (collective: every rank calls it).
 
   Args:
-    directory: where checkpoints live (one subdirectory per step; rank 0 writes it).
-    comm: the `Communicator`.
-    keep: how many of the most recent checkpoints to keep (>= 1).
-    async_save: write in a background thread (rank 0); the next `save`, `wait` or `close`
-      waits for it and raises `CheckpointSaveError` on every rank if it failed.
-    settings: JSON values a resumed run must share with the saved one (e.g. the global
-      batch size and seed), compared on restore.
+    directory: one subdirectory per step, written by rank 0.
+    keep: how many of the newest checkpoints to keep (>= 1).
+    async_save: rank 0 writes in the background; the next `save`, `wait` or `close` waits
+      for it (a failure is a `CheckpointSaveError` on every rank).
+    settings: JSON values a resumed run must share (e.g. batch size, seed), checked on restore.
 
   Example:
     >>> import tempfile
@@ -94,15 +84,13 @@ class Checkpointer:
     """Saves `state` as checkpoint `step` (collective; rank 0 writes; replaces that step).
 
     Args:
-      step: the global step count (equal on every rank, or `ValueError` on every rank).
-      state: the pytree to save; jax arrays, numpy arrays, Python scalars, PRNG keys,
-        `shard_optimizer` states (saved whole) and `PerRankState` s.
-      meta: JSON-serialisable extras restored with it (epoch, data position, config).
+      step: the global step count, equal on every rank.
+      state: a pytree of arrays, scalars, PRNG keys, `shard_optimizer` states, `PerRankState` s.
+      meta: JSON-serialisable extras restored with it (epoch, data position).
 
     Raises:
-      ValueError: on every rank, when the ranks save different steps or mismatched sharded
-        or per-rank states, mid `accumulate_gradients` cycle, or when leaves (or `meta`)
-        differ between replicas (rank 0's copy would be everyone's on restore).
+      ValueError: on every rank, when the ranks' steps, sharded or per-rank states, leaves or
+        `meta` differ, or mid `accumulate_gradients` cycle.
     """
     step = int(step)
     state = own.own_inner_states(self.comm, state)  # local_sgd's inner states: every rank's
@@ -134,8 +122,7 @@ class Checkpointer:
 
   def _start(self, step: int, state: Any, wholes: list[Any], parts: list[Any],
              meta: dict | None) -> None:
-    """Rank 0: hands checkpoint `step` to orbax, with `wholes` (`sharded.gather`) and
-    `parts` (`own.gather`) in place of the per-rank nodes."""
+    """Rank 0: hands checkpoint `step` to orbax, per-rank nodes replaced by `wholes`, `parts`."""
     host = own.expand(sharded.host_tree(state, wholes, to_host), parts)
     record = {"step": step, "meta": meta or {}, "settings": self.settings,
               "digests": verify.record_digests(host), "signature": signature(host),
@@ -157,11 +144,8 @@ class Checkpointer:
       raise CheckpointSaveError(problem)
 
   def wait(self) -> None:
-    """Blocks until rank 0's background write, if any, is on disk (collective).
-
-    Raises:
-      CheckpointSaveError: on every rank, when that write failed.
-    """
+    """Blocks until rank 0's background write is on disk (collective); raises
+    `CheckpointSaveError` on every rank if it failed."""
     self._raise_on_every_rank(self._store.finish_pending() if self._store is not None else None)
 
   def close(self) -> None:
@@ -194,25 +178,18 @@ class Checkpointer:
     return self.comm.mpi_comm.bcast(steps, root=0) if self.comm.size > 1 else steps
 
   def restore(self, template: Any) -> tuple[int, Any, dict] | None:
-    """The newest intact checkpoint, as ``(step, state, meta)`` on every rank, or None.
+    """The newest intact checkpoint as ``(step, state, meta)`` on every rank; None if none.
 
-    Collective. Rank 0 tries the checkpoints from the newest down, skipping (and reporting
-    on stderr) any that fails to read or verify, and broadcasts the state.
+    Collective: rank 0 reads from the newest down, skipping damaged ones (said on stderr).
 
     Args:
-      template: a pytree like the saved state (e.g. the freshly initialised state): its
-        structure, shapes and dtypes are checked (a host scalar leaf takes the saved
-        dtype), and its leaves say how to return each value (jax array on the same
-        sharding, numpy, PRNG key, scalar). A `shard_optimizer` state in it receives this
-        rank's share, however many ranks saved it.
-
-    Returns:
-      None when the directory holds no checkpoint; otherwise ``(step, state, meta)``.
+      template: a pytree like the saved state: its structure, shapes and dtypes are checked,
+        and each value comes back as its leaf's kind (jax array on its sharding, numpy, PRNG
+        key, scalar); a `shard_optimizer` state gets this rank's share, from any rank count.
 
     Raises (on every rank):
       CorruptCheckpointError: checkpoints exist but none reads back intact.
-      CheckpointTemplateError: the newest readable checkpoint holds another tree (structure,
-        shapes or dtypes) than `template` on some rank; nothing falls back past it.
+      CheckpointTemplateError: the newest readable one holds another tree than `template`.
       ValueError: the checkpoint was saved with other ``settings``.
     """
     wrong = (sharded.check(self.comm, template, "Checkpointer.restore")
@@ -250,10 +227,8 @@ class Checkpointer:
     return outcome["step"], own.without_own_inner_states(state), outcome["meta"]
 
   def resume(self, template: Any, *, requested: bool) -> tuple[int, Any, dict] | None:
-    """`restore` when `requested`; else `FileExistsError` on every rank if checkpoints exist.
-
-    Returns:
-      `restore`'s ``(step, state, meta)``, or None to start from `template`.
+    """`restore` when `requested`; else None (start from `template`), or `FileExistsError` on
+    every rank if checkpoints exist.
 
     Example:
       >>> restored = ckpt.resume(state, requested=args.resume)  # doctest: +SKIP

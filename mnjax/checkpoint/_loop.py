@@ -1,10 +1,4 @@
-"""A training loop's checkpoints: the train state plus where the loop stands.
-
-`LoopCheckpoints` saves the train state with the epoch, the batch within it and the
-epoch's metric sums so far, on top of `mnjax.Checkpointer`, for a bitwise resume. The sums
-are stored summed over ranks; on resume rank 0 carries them on and the others start from
-zero, so the epoch's figures do not depend on the number of ranks.
-"""
+"""`LoopCheckpoints`: a training loop's checkpoints (docs/design/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -21,7 +15,7 @@ __all__ = ["LoopCheckpoints"]
 
 
 def _widened(leaf: Any) -> Any:
-  """A numpy sum as `save` writes it (host totals: int64, float64); others as they are."""
+  """A numpy sum widened as `save` writes it (int64, float64); other leaves as they are."""
   if isinstance(leaf, (np.ndarray, np.generic)):
     return leaf.astype(host.host_sum_dtype(leaf.dtype))
   return leaf
@@ -31,12 +25,9 @@ class LoopCheckpoints:
   """Checkpoints of ``(train state, epoch, batch, partial metric sums)`` (collective).
 
   Args:
-    directory: where the checkpoints live.
-    comm: the `Communicator`.
     resume: continue from the newest intact checkpoint; when False, a directory that
-      already holds checkpoints is refused (`FileExistsError` on every rank).
-    keep: how many checkpoints to keep.
-    settings: values a resumed run must share with the saved one (see `Checkpointer`).
+      already holds checkpoints is a `FileExistsError` on every rank.
+    keep, settings: as `Checkpointer`'s.
 
   Example:
     >>> state = {"w": jnp.zeros(3)}                     # e.g. a flax TrainState
@@ -59,8 +50,8 @@ class LoopCheckpoints:
     self._last_step: int | None = None
 
   def start(self, state: Any, zero_sums: Any) -> tuple[Any, Any, int, int]:
-    """``(state, sums, epoch, batch)`` to start the loop from: the newest checkpoint's with
-    ``resume``, else ``(state, zero_sums, 1, 0)``."""
+    """``(state, sums, epoch, batch)`` to start from: the newest checkpoint's with ``resume``
+    (the rank-summed sums on rank 0, zeros elsewhere), else ``(state, zero_sums, 1, 0)``."""
     saved_sums = jax.tree.map(_widened, zero_sums)
     restored = self.checkpointer.resume({"train": state, "sums": saved_sums},
                                         requested=self.resume)
@@ -73,8 +64,8 @@ class LoopCheckpoints:
     return saved["train"], sums, meta["epoch"], meta["batch"]
 
   def save(self, step: int, state: Any, sums: Any, epoch: int, batch: int) -> None:
-    """Checkpoints `state` at `step`, to resume at batch `batch` of `epoch` (collective).
-    A step already saved (an epoch's end that falls on a periodic save) is not saved twice."""
+    """Checkpoints `state` at `step`, to resume at batch `batch` of `epoch` (collective); a
+    step already saved (an epoch's end on a periodic save) is not saved again."""
     if step == self._last_step:
       return
     self._last_step = step
@@ -83,11 +74,8 @@ class LoopCheckpoints:
                            meta={"epoch": epoch, "batch": batch})
 
   def wait(self) -> None:
-    """Blocks until the last save is on disk (collective; call it before recording an epoch).
-
-    Raises:
-      mnjax.checkpoint.CheckpointSaveError: on every rank, when that save failed.
-    """
+    """Blocks until the last save is on disk (collective; call it before recording an epoch);
+    raises `CheckpointSaveError` on every rank if it failed."""
     self.checkpointer.wait()
 
   def close(self) -> None:

@@ -1,12 +1,5 @@
-"""State that is each rank's own by design (a model-parallel stage's parameters and optimizer
-state), saved from every rank and restored to the rank that saved it.
-
-On save every rank sends its `PerRankState` s' leaves to rank 0, which writes them in the
-same checkpoint as ``{"rank_0": ..., "rank_1": ...}`` in the node's place. On restore the
-template's `PerRankState` s give every rank's shapes (one allgather) and each rank gets its
-own part back, bitwise; another number of ranks is a `CheckpointTemplateError`. The nodes
-must sit at the same paths on every rank; their contents may differ.
-"""
+"""`PerRankState`: a rank's own state, written by rank 0 as ``{"rank_0": ..., "rank_1": ...}``
+in the node's place and restored to each rank bitwise (docs/design/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -29,10 +22,10 @@ __all__ = ["PerRankState", "check", "expand", "gather", "own_inner_states", "pic
 
 @jax.tree_util.register_pytree_with_keys_class
 class PerRankState:
-  """`inner`: a pytree that is rank `rank`'s own (of `size`), saved and restored per rank.
+  """`inner`: rank `rank`'s own pytree (of `size`); `mnjax.Checkpointer` saves every rank's.
 
-  A pytree whose one child is `inner`, under the key ``.rank_<rank>_of_<size>``.
-  `mnjax.Checkpointer` saves every rank's `inner` and restores each rank's own.
+  Its one child is `inner`, keyed ``.rank_<rank>_of_<size>``; the nodes must sit at the same
+  paths on every rank.
 
   Example:
     >>> import tempfile
@@ -86,8 +79,7 @@ def _describe(inner: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
 
 
 def check(comm: Communicator, tree: Any, caller: str) -> str | None:
-  """What is wrong with the `PerRankState` s of `tree` (this rank's, no `ShardedState`
-  inside, the same paths on every rank): the same text on every rank, or None. Collective."""
+  """What is wrong with the `PerRankState` s of `tree` (same on every rank) or None; collective."""
 
   def complaint(path: str, x: PerRankState) -> str | None:
     if (x.rank, x.size) != (comm.rank, comm.size):
@@ -111,8 +103,8 @@ def check(comm: Communicator, tree: Any, caller: str) -> str | None:
 
 
 def gather(comm: Communicator, tree: Any, to_host: Callable[[Any], Any]) -> list[list[Any]] | None:
-  """Rank 0: every rank's `inner` of each `PerRankState` of `tree`, as host trees
-  (``[node][rank]``); None elsewhere. Collective (call `check` first)."""
+  """Rank 0: ``[node][rank]`` host trees of every `PerRankState`'s `inner`; None elsewhere.
+  Collective (call `check` first)."""
   inners = [jax.tree.map(to_host, x.inner) for _, x in _nodes(tree)[0] if _is_own(x)]
   if comm.size == 1:
     return [[inner] for inner in inners]
@@ -190,8 +182,7 @@ def _is_local(x: Any) -> bool:
 
 
 def own_inner_states(comm: Communicator, tree: Any) -> Any:
-  """`tree` with each `LocalSGDState`'s ``inner_state`` and ``inexact`` (each replica's own
-  optimizer state and count) in `PerRankState` s, so that every rank's is saved and restored.
+  """`tree` with each `LocalSGDState`'s ``inner_state`` and ``inexact`` in `PerRankState` s.
 
   Example:
     >>> tx = mnjax.optim.local_sgd(optax.adam(0.1), comm, every_k=2)

@@ -1,11 +1,5 @@
-"""State a save by rank 0 would lose: anything not the same on every replica, refused.
-
-`mnjax.Checkpointer` writes rank 0's tree, so every leaf outside a `ShardedState` or a
-`PerRankState` must be equal on every replica; `Checkpointer.save` refuses it on every rank
-otherwise, before anything is written: `mid_cycle` (an `accumulate_gradients` cycle half
-done) and `differences` (the ranks compare per-leaf fingerprints and ``meta`` in one
-allgather; the message names the leaves and, for the cases it recognises, the fix).
-"""
+"""State a save by rank 0 would lose, refused on every rank: a half-done accumulation cycle
+(`mid_cycle`), leaves or ``meta`` that differ between replicas (`differences`)."""
 
 from __future__ import annotations
 
@@ -103,8 +97,8 @@ def _fix(paths: list[str], state: Any) -> str:
 
 
 def differences(comm: Communicator, state: Any, meta: Any) -> str:
-  """Why saving from rank 0 would lose another replica's values, the same text on every
-  rank ('' if none). Collective (one allgather).
+  """Why saving from rank 0 would lose another replica's values ('' if none), the same on
+  every rank. Collective (one allgather of fingerprints).
 
   Example:
     >>> differences(comm, {"w": jnp.ones(3)}, {"epoch": 1})

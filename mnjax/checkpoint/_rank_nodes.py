@@ -1,9 +1,5 @@
-"""The nodes of a saved tree that differ between ranks by design, and their check.
-
-`find` locates the `ShardedState` or `PerRankState` nodes of a tree by type;
-`check_on_every_rank` checks them before a save or restore and returns the same message
-(or None) on every rank, after one round comparing the ranks' descriptions.
-"""
+"""The nodes of a saved tree that differ between ranks by design (`ShardedState`,
+`PerRankState`): `find` them by type, `check_on_every_rank` before a save or restore."""
 
 from __future__ import annotations
 
@@ -38,16 +34,10 @@ def check_on_every_rank(
   """What is wrong with the `kind` nodes of `tree` on some rank, the same text on every rank
   (None when nothing is). Collective (one small allgather; more only on a mismatch).
 
-  Args:
-    comm: the `Communicator`.
-    tree: the tree to save, or the restore template.
-    kind: the node type (`ShardedState`, `PerRankState`).
-    caller: the public method, first in every message.
-    what: what the round is waiting for, for a rank that left (``"sharded state"``).
-    complaint: ``complaint(path, node)``: what is wrong with this rank's node, or None.
-    described: what every rank must agree on, from this rank's ``[(path, node)]``.
-    problem: the message for the ranks' ``[(rank, complaint)]`` when there are any.
-    mismatch: ``mismatch(rank 0's description, rank, its description)``: the message then.
+  ``complaint(path, node)``: what is wrong with this rank's node, or None; ``described(nodes)``:
+  what every rank must agree on; ``problem([(rank, complaint)])`` and ``mismatch(rank 0's
+  description, rank, its description)``: the messages. `caller` starts every message; `what`
+  names the round (``"sharded state"``) if a rank never comes.
 
   Example:
     >>> check_on_every_rank(comm, {"a": (1, 2)}, tuple, "doc", "tuples",

@@ -1,11 +1,5 @@
-"""Checkpoints of trees that hold `mnjax.shard_optimizer`'s state: saved whole, restored
-re-sharded for the restoring rank.
-
-On save every rank's shares of each `ShardedState` are joined on rank 0 (`gather`), which
-writes the whole inner state in its place (what ``gather_optimizer_state`` returns). On
-restore the whole state is read (`whole_template`) and this rank's share cut from it
-(`reshard`), so a run saved on P ranks resumes on Q; on the same P, bitwise.
-"""
+"""`shard_optimizer` state in checkpoints: each `ShardedState` is written whole (`gather`) and
+cut to the restoring rank's share (`reshard`), so a run saved on P ranks resumes on Q."""
 
 from __future__ import annotations
 
@@ -32,8 +26,7 @@ def _split(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 
 def check(comm: Communicator, tree: Any, caller: str) -> str | None:
-  """What is wrong with the `ShardedState` s of `tree` (this rank's share, with a layout,
-  the same paths on every rank): the same text on every rank, or None. Collective."""
+  """What is wrong with the `ShardedState` s of `tree` (same on every rank) or None; collective."""
 
   def complaint(path: str, x: ShardedState) -> str | None:
     if (x.index, x.parts) != (comm.rank, comm.size):

@@ -1,10 +1,5 @@
-"""Rank 0's side of `mnjax.Checkpointer`: orbax's checkpoint manager and what it leaves out.
-
-`OrbaxStore` exists on rank 0 only and makes no collective call. On top of orbax it checks
-each background write at the next call (`finish_pending`), keeps the newest ``keep``
-checkpoints (deleting an older one only once the newer is on disk), replaces an existing
-step, and reads the newest checkpoint that verifies (`newest`), reporting skipped ones.
-"""
+"""`OrbaxStore`: rank 0's orbax manager plus what orbax leaves out (checked background
+writes, safe pruning, the newest intact step). No collective calls (docs/design/checkpoints.md)."""
 
 from __future__ import annotations
 

@@ -62,10 +62,8 @@ def _short(text: str, limit: int = 160) -> str:
 
 
 def template_difference(record: dict, template: Any) -> str:
-  """How the tree `record` describes differs from `template` ('' when it does not): leaf
-  paths, shapes, dtypes. A Python scalar leaf takes the saved dtype; a numpy scalar leaf
-  takes its own where the saved one casts to it without loss (a counter saved as int32
-  restores into an int64 template), else it differs (float32 saved, float16 template)."""
+  """How the tree `record` describes differs from `template` ('' if not): paths, shapes,
+  dtypes (a Python scalar takes the saved dtype, a numpy scalar its own if safely cast)."""
   saved = record["signature"]
   leaves = jax.tree.leaves(template)
   # numpy leaves as they are: no copy of a whole sharded state's placeholders.
@@ -89,8 +87,7 @@ def template_difference(record: dict, template: Any) -> str:
 
 
 def _dtype_counts(leaf: Any, saved: str, expected: str) -> bool:
-  """Whether a dtype difference is one: always for arrays, for a numpy scalar where the
-  saved dtype does not cast to its own without loss, never for a Python scalar."""
+  """Whether a dtype difference counts: for arrays, for a numpy scalar not safely cast."""
   if isinstance(leaf, jax.Array) or np.ndim(leaf):
     return True
   if isinstance(leaf, np.generic):

@@ -1,8 +1,4 @@
-"""Each checkpoint's per-leaf digests: saved with it, compared when it is read back.
-
-`record_digests` gives a 128-bit BLAKE2b digest per leaf of the host tree as written;
-`damaged` names the leaves whose bytes no longer match, and the checkpoint is skipped.
-"""
+"""Each checkpoint's per-leaf digests (BLAKE2b, 128-bit): saved with it, compared on read."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Communication: who am I, and how pytrees move between ranks — three wings.
+"""Communication: who am I, and how pytrees move between ranks.
 
-* The communicator: `create_communicator` / `Communicator` (rank, node, devices, a private
-  MPI clone; `KINDS`), with ChainerMN's host methods (``comm.split``, ``send``, ``bcast``,
-  ..., ``*_obj``) and `abort` / `install_abort_on_error`.
-* The in-step path (``mnjax/comm/_instep/``), inside `jax.jit`: `allreduce_tree`, bucketed,
-  optionally over a 16-bit wire (`WIRE_DTYPES`, `error_bound`).
-* The host path (``mnjax/comm/_host/``), outside any trace: `broadcast`, exact host sums,
-  each starting with an agreement round.
+* `create_communicator` / `Communicator` (rank, node, devices, a private MPI clone; `KINDS`),
+  with ChainerMN's host methods (``comm.split``, ``send``, ``bcast``, ..., ``*_obj``) and
+  `abort` / `install_abort_on_error`.
+* In-step, inside `jax.jit`: `allreduce_tree`, bucketed, optionally over a 16-bit wire
+  (`WIRE_DTYPES`, `error_bound`).
+* Host path, outside any trace: `broadcast` and exact host sums.
 
 Example::
 

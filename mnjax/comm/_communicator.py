@@ -1,9 +1,4 @@
-"""Who am I: MPI rank and size, node-local ranks, local devices — the `Communicator`.
-
-A `Communicator` is a frozen record every other layer reads. It owns private clones of the
-MPI communicator (host-level and in-step), so mnjax's traffic never mixes with the user's.
-Building one is collective (`create_communicator`, same arguments on every rank).
-"""
+"""The `Communicator`: rank, node, devices, and mnjax's private clones of the MPI communicator."""
 
 from __future__ import annotations
 
@@ -41,36 +36,26 @@ MULTI_DEVICE_KINDS = ("hierarchical", "two_dimensional", "single_node", "xla")
 
 @dataclasses.dataclass(frozen=True)
 class Communicator:
-  """The process's place in the job, and the MPI communicator mnjax uses.
+  """The process's place in the job, and the MPI communicators mnjax uses.
 
   Attributes:
-    kind: the communicator kind (see `KINDS`).
-    rank: this process's rank among all processes (under the MPI kinds
-      ``jax.process_index()`` stays 0: read `rank` and `is_root` instead).
-    size: the number of processes (``jax.process_count()`` stays 1 under the MPI kinds).
-    intra_rank: rank among the processes on this node (MPI shared-memory split).
-    intra_size: number of processes on this node.
-    inter_rank: index of this node among the nodes (0 .. inter_size - 1).
-    inter_size: number of nodes.
+    kind: one of `KINDS`.
+    rank, size: this process's rank and the number of processes (under the MPI kinds
+      ``jax.process_index()`` stays 0 and ``jax.process_count()`` 1: read these).
+    intra_rank, intra_size: rank among, and number of, the processes on this node.
+    inter_rank, inter_size: index of this node among, and number of, the nodes.
     local_device_count: JAX devices this process drives (1 for ``flat``).
     axis_name: the mapped-axis name user code may reduce over (e.g. BatchNorm).
     mpi_comm: mnjax's clone of the MPI communicator for host-level collectives.
-    device_comm: a second clone, for collectives inside jitted steps only (so host and
-      in-step collectives in flight together are never matched).
-    device_comms: multi-device kinds: one clone per local device index ``i``.
-    node_comms: ``flat`` over several nodes with the same number of processes on each:
-      ``(within this node, across nodes among the processes of this node's index)``, for the
-      node-aware 16-bit wire; else ``()``.
+    device_comm: a second clone, for in-step collectives only (never matched with host ones).
+    device_comms: multi-device kinds: one clone per local device.
+    node_comms: ``flat`` on equal nodes: ``(within node, across nodes)``, for the 16-bit wire.
     devices: the local JAX devices this process drives.
-    uid: the same random number on every rank of this communicator (rank 0's, broadcast at
-      creation), distinct between communicators: ranks order communicators of the same
-      ranks by it alike.
-    exact: gradient sums are exact integer sums (``create_communicator(..., replicas=V)``),
-      so their bits do not depend on the number of processes.
+    uid: a random number shared by this communicator's ranks, distinct between communicators.
+    exact: gradient sums are exact integer sums (``replicas=``), whatever the process count.
 
-  Host-side methods as ChainerMN's (``split``, ``send``/``recv``, ``bcast``, ``gather``, ...,
-  and ``*_obj`` variants) compare what every rank passed first and raise the same error on
-  every rank on a mismatch; in-step communication is `mnjax.functions`'.
+  Host methods as ChainerMN's (``split``, ``send``, ``bcast``, ..., ``*_obj``) check every
+  rank's arguments first and raise the same error on every rank on a mismatch.
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
@@ -109,8 +94,7 @@ class Communicator:
 
   @property
   def mesh(self):
-    """A `jax.sharding.Mesh` with axis ``axis_name``: this process's devices, or for
-    ``xla`` every device of every process (process-major, as `jax.devices()` orders them)."""
+    """A `jax.sharding.Mesh` over ``axis_name``: this process's devices (``xla``: all)."""
     import jax  # noqa: PLC0415 (topology itself never needs JAX)
     import numpy as np  # noqa: PLC0415
 
@@ -131,18 +115,12 @@ class Communicator:
     return self.rank == 0
 
   def split(self, color: int | None, key: int | None = None) -> Communicator | None:
-    """The communicator of the ranks that pass the same `color` (collective; MPI's
-    ``Comm_split``).
+    """A `Communicator` like this one over the ranks passing the same `color` (collective).
 
     Args:
-      color: a non-negative int: ranks with equal colors form one group. ``None`` (MPI's
-        ``MPI_UNDEFINED``): this rank joins no group and gets ``None``.
-      key: orders the ranks within a group (ties by parent rank); default: the parent
-        rank. Either every rank passes an int or every rank passes None.
-
-    Returns:
-      A `Communicator` of this kind, devices and axis name, ranked within the group;
-      ``None`` where `color` is None.
+      color: a non-negative int (equal colors form one group), or None: no group, returns None.
+      key: orders the ranks within a group (default: the parent rank); an int on every rank
+        or None on every rank.
 
     Example:
       >>> data_comm = comm.split(color=comm.rank % 2, key=comm.rank)
@@ -235,8 +213,7 @@ def check_communicator(comm: Any, caller: str) -> Communicator:
 
 def assemble(kind: str, clone: MPI.Intracomm, topology: tuple[int, int, int, int],
              devices: tuple, axis_name: str, exact: bool = False) -> Communicator:
-  """The `Communicator` over `clone` (which it then owns), with its in-step clones.
-  Collective over `clone`.
+  """The `Communicator` over `clone` (which it then owns), with its in-step clones (collective).
 
   Example:
     >>> sub = assemble("flat", comm.mpi_comm.Clone(), (0, 1, 0, 1), comm.devices, "batch")

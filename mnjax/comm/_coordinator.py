@@ -1,11 +1,5 @@
 """Where the ``xla`` kind's `jax.distributed` coordinator listens, chosen over MPI and checked
-from every rank before JAX waits on it.
-
-Rank 0 of mnjax's communicator listens on a free port (or ``JAX_COORDINATOR_ADDRESS``) under
-its hostname; every rank resolves that name and its own and connects (at most
-`PROBE_SECONDS`); any failure is one error on every rank, naming the ranks and the fix,
-before `jax.distributed.initialize` gets the address, process count and ids explicitly.
-"""
+from every rank before JAX waits on it (docs/design/launchers.md)."""
 
 from __future__ import annotations
 
@@ -40,8 +34,7 @@ def _resolve(host: str) -> str:
 
 
 def _probe(address: str, timeout: float) -> dict:
-  """What this rank sees: its hostname, what it and the coordinator's host resolve to, and
-  whether a TCP connect to the coordinator's port succeeds."""
+  """This rank's hostname, what it and the coordinator resolve to, and a TCP connect's result."""
   host, port = address.rsplit(":", 1)
   row = {"hostname": socket.gethostname(), "coordinator": _resolve(host)}
   row["own"] = _resolve(row["hostname"])
@@ -61,8 +54,7 @@ def _loopback(ip: str) -> bool:
 
 
 def problems(address: str, rows: list[dict]) -> list[str]:
-  """What stops `jax.distributed` (and gloo) from starting, given every rank's `_probe` row
-  (by rank); empty when nothing does.
+  """What stops `jax.distributed` (and gloo) from starting, from every rank's `_probe` row.
 
   Example:
     >>> ok = {"hostname": "a", "own": "10.0.0.1", "coordinator": "10.0.0.1", "connect": "ok"}
@@ -107,8 +99,7 @@ def problems(address: str, rows: list[dict]) -> list[str]:
 
 
 def choose(mpi_comm, timeout: float) -> str:
-  """The coordinator's ``host:port`` for a job over `mpi_comm`, checked from every rank;
-  raises the same `RuntimeError` on every rank otherwise. Collective over `mpi_comm`.
+  """The coordinator's ``host:port``, checked from every rank; else a `RuntimeError` on all.
 
   Example:
     >>> host, port = choose(comm.mpi_comm, 5).rsplit(":", 1)

@@ -1,11 +1,5 @@
-"""Building a `Communicator`: the kind, the node topology and the devices, agreed by every rank.
-
-`create_communicator` is collective: every rank of `mpi_comm` calls it with the same
-arguments. It clones the MPI communicator, agrees on the kind (``auto`` resolved on every
-rank alike), finds each rank's node (real, or ``MNJAX_EMULATE_NODES``'s), chooses the
-devices each process drives before JAX opens them, starts ``jax.distributed`` for ``xla``,
-and installs the abort-on-error hook.
-"""
+"""Building a `Communicator` (collective): the kind, the node topology and the devices, agreed
+by every rank; ``jax.distributed`` for ``xla``; the abort-on-error hook."""
 
 from __future__ import annotations
 
@@ -39,10 +33,7 @@ def _check_kind(kind: Any) -> str:
 
 
 def resolve_kind(kind: str) -> str:
-  """`kind`, with ``auto`` replaced by the kind mnjax recommends for this machine.
-
-  ``xla`` where JAX will run on GPUs, ``flat`` on CPUs (README, "On GPUs"). Local: reads
-  the CUDA driver and JAX's state only.
+  """`kind`, with ``auto`` replaced by ``xla`` where JAX will run on GPUs, else ``flat`` (local).
 
   Example:
     >>> resolve_kind("auto")   # on a CPU machine
@@ -81,12 +72,8 @@ def _check_same_kind(asked: list[tuple[str, str]]) -> None:
 
 def _start_jax_distributed(mpi_comm: MPI.Intracomm, timeout: int,
                            local_device_ids: tuple[int, ...] | None) -> None:
-  """`jax.distributed` for the ``xla`` kind, or the same clear error on every rank.
-
-  The ranks first agree that none has started JAX, so no rank waits alone in
-  ``jax.distributed.initialize``. `local_device_ids` (GPUs only): the ordinals this process
-  drives (JAX would otherwise assume one process per GPU).
-  """
+  """`jax.distributed` for ``xla`` (once the ranks agree none started JAX), or the same error on
+  every rank. `local_device_ids`: the GPU ordinals this process drives."""
   import jax  # noqa: PLC0415
 
   if jax.distributed.is_initialized():
@@ -123,8 +110,7 @@ def _jax_started() -> bool:
 
 
 def _check_replicas(replicas: Any, kind: str, size: int, local_devices: Any) -> None:
-  """`replicas` checked against the kind and the number of processes, the same on every
-  rank (each rank passes the same arguments; `_agree_replicas` checks that they do)."""
+  """`replicas` checked against the kind and the process count (the same on every rank)."""
   if replicas is None:
     return
   if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
@@ -171,39 +157,24 @@ def create_communicator(
     share_devices: bool = False,
     replicas: int | None = None,
 ) -> Communicator:
-  """Builds the communicator for data-parallel training (collective: call on every rank).
+  """Builds the (frozen, hashable) `Communicator` for data-parallel training; call on every rank.
 
   Args:
-    kind: how gradients are reduced; one of `KINDS`. ``flat``: one MPI process per device.
-      ``hierarchical``, ``two_dimensional``, ``single_node`` (one node only): one process
-      drives its local devices, under `mnjax.data_parallel`. ``auto``: ``xla`` on GPUs,
-      ``flat`` on CPUs (`resolve_kind`).
-    mpi_comm: the MPI communicator whose processes train together (default:
-      ``MPI.COMM_WORLD``); mnjax uses a private clone of it.
+    kind: one of `KINDS`, or ``auto`` (``xla`` on GPUs, ``flat`` on CPUs).
+    mpi_comm: the MPI communicator to train over (default ``MPI.COMM_WORLD``); mnjax clones it.
     axis_name: name of the mapped local-device axis (under ``xla``: every device of the job).
-    local_devices: for the multi-device kinds, how many local devices to drive (default:
-      this process's share of its node's; ``xla`` always uses its whole share).
+    local_devices: multi-device kinds: local devices to drive (default: this process's share).
     distributed_timeout: ``xla`` only: seconds `jax.distributed` waits for every process.
-    abort_on_error: with several processes, an uncaught exception on any rank aborts every
-      rank. Pass False to keep Python's own handler.
-    share_devices: allow several processes to drive one GPU (each preallocates its share of
-      the memory); otherwise that layout is an error.
-    replicas: the job's replica count V, whatever the number of processes P (which must
-      divide it): each process drives V / P local devices (on CPUs, emulated ones: set here
-      before JAX starts), and gradient sums are exact integer sums (`Communicator.exact`),
-      so a run gives the same bits on any P that divides V and resumes on another
-      (docs/design/allreduce.md, Exact sums). Kinds ``hierarchical``, ``two_dimensional``
-      and ``single_node`` (``auto``: ``hierarchical``), or ``flat`` with V = P.
+    abort_on_error: with several processes, an uncaught exception on any rank aborts all.
+    share_devices: allow several processes on one GPU (each preallocates its share).
+    replicas: the job's replica count V, divisible by the process count P: each process
+      drives V / P local devices (emulated on CPUs) and gradient sums are exact, so a run
+      gives the same bits on any such P (docs/design/allreduce.md, Exact sums). Not with
+      ``xla``; with ``flat`` only for V = P.
 
-  Each process's devices are chosen before JAX starts (``flat``: node-local rank *i* on GPU
-  *i*), and ``jax_default_device`` is set: call it before any other JAX call. Under the MPI
-  kinds use ``comm.rank``/``comm.size``, not ``jax.process_index()``/``process_count()``
-  (ranks but 0 warn once per calling line). ``MNJAX_EMULATE_NODES=k`` splits the ranks into
-  ``k`` emulated nodes. ``MNJAX_WAIT_TIMEOUT=s`` bounds an in-step send or recv (default
-  300 s): past it, or when the peer finished its program, the job ends naming both ranks.
-
-  Returns:
-    A frozen, hashable `Communicator`.
+  Call it before any other JAX call: it picks each process's devices before JAX starts and
+  sets ``jax_default_device``. ``MNJAX_EMULATE_NODES=k`` emulates ``k`` nodes;
+  ``MNJAX_WAIT_TIMEOUT=s`` bounds an in-step send or recv (default 300 s).
 
   Example:
     >>> import mnjax

@@ -1,11 +1,5 @@
-"""mpi4jax on GPUs: its CUDA extension, and an explicit choice of how buffers reach MPI.
-
-``MPI4JAX_USE_CUDA_MPI=1`` hands device pointers to MPI (CUDA-aware MPI only); ``=0`` copies
-through host memory (any MPI; ``scripts/activate.sh`` sets it for the ``mpich`` wheel).
-`configure` sets the mode once from the environment and refuses the MPI kinds on GPUs without
-an explicit choice or without mpi4jax's CUDA extension; left to mpi4jax, a warnings-as-errors
-run would leave the mode unset and segfault. The ``xla`` kind needs none of this.
-"""
+"""mpi4jax on GPUs: its CUDA extension and an explicit copy mode (docs/design/gpu.md); left to
+mpi4jax, a warnings-as-errors run would leave it unset and segfault. Not needed by ``xla``."""
 
 from __future__ import annotations
 
@@ -25,9 +19,8 @@ _configured: bool | None = None
 def configure(environ=os.environ) -> bool:
   """Checks mpi4jax's CUDA extension and sets its copy mode; returns True for CUDA-aware MPI.
 
-  Raises `RuntimeError` with the fix when the extension did not load, when
-  ``MPI4JAX_USE_CUDA_MPI`` is unset or not a boolean, or when it is ``1`` and the MPI
-  library says it is not CUDA-aware. Idempotent.
+  Idempotent. Raises `RuntimeError` (with the fix) when the extension did not load, or
+  ``MPI4JAX_USE_CUDA_MPI`` is unset, not a boolean, or ``1`` on an MPI that is not CUDA-aware.
 
   Example:
     >>> os.environ["MPI4JAX_USE_CUDA_MPI"] = "0"  # mpich wheel: via the host  # doctest: +SKIP

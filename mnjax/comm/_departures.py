@@ -1,11 +1,5 @@
-"""Ranks that finished: a rank that exits normally tells the others, so none waits for it.
-
-At a normal exit every rank of a multi-process job sends each peer one small message
-(`announce`, registered by `mnjax.create_communicator`) on ``MPI_COMM_WORLD`` with its own
-tag. Ranks waiting in mnjax's host collectives look for these (`departed`) and raise, naming
-the rank that left, instead of hanging. Cost: one message per peer at exit (waiting at most
-`EXIT_WAIT` seconds for the others'); nothing while the job runs.
-"""
+"""Ranks that finished: at a normal exit a rank sends each peer one small notice, so ranks
+waiting in mnjax's host collectives raise naming it instead of hanging (docs/design/failures.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +20,7 @@ _registered = False
 
 
 def announce() -> None:
-  """Registers the exit notice of this rank (idempotent; nothing on a single process).
+  """Registers this rank's exit notice (idempotent; nothing on a single process).
 
   Example:
     >>> mnjax.comm._departures.announce()   # create_communicator does it already
@@ -53,7 +47,7 @@ def _send_and_collect() -> None:
   requests = [world.Isend(me, dest=peer, tag=TAG)
               for peer in range(world.Get_size()) if peer != world.Get_rank()]
   MPI.Request.Waitall(requests)  # 8 bytes each: complete locally (eager), received or not
-  # Take in the peers' notices before MPI_Finalize: left unreceived, xla jobs died at exit.
+  # Take in the peers' notices before MPI_Finalize: left unreceived, xla jobs die at exit.
   deadline = time.monotonic() + EXIT_WAIT
   while len(_receive()) < world.Get_size() - 1 and time.monotonic() < deadline:
     time.sleep(1e-3)

@@ -1,13 +1,5 @@
-"""Which devices a process drives: one GPU per rank, chosen before JAX opens any.
-
-The choice is made from the node-local rank and applied before JAX starts (JAX would
-otherwise open, and preallocate on, every visible GPU). GPUs are known by UUID
-(`gpu_inventory`); a node's processes see them *shared* (plain ``mpirun``) or *private*
-(``srun --gpus-per-task=1``). `plan_devices` (pure): ``flat`` drives GPU *intra_rank*
-(shared) or its first GPU (private); multi-device kinds split a shared node's GPUs into equal
-contiguous slices, or drive every private one; on CPU ``flat`` drives device
-``intra_rank % count``. Two processes on one GPU is an error unless ``share_devices=True``.
-"""
+"""Which devices a process drives, chosen from its node-local rank before JAX opens (and
+preallocates on) any GPU; `plan_devices` is the pure choice (docs/design/gpu.md)."""
 
 from __future__ import annotations
 
@@ -26,15 +18,8 @@ ONE_DEVICE_KINDS = ("flat",)
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """What one process sees, and where it sits on its node.
-
-  Attributes:
-    platform: ``"gpu"`` or ``"cpu"``.
-    visible: how many devices of that platform this process can see.
-    intra_rank: this process's rank among the processes on its node.
-    intra_size: the number of processes on the node.
-    shared: every process on the node sees the same devices (always False on CPU).
-  """
+  """What one process sees (`visible` devices of `platform`, ``"gpu"`` or ``"cpu"``), where it
+  sits on its node, and whether the node's processes see the same devices (`shared`)."""
 
   platform: str
   visible: int
@@ -45,10 +30,7 @@ class Layout:
 
 def plan_devices(kind: str, layout: Layout, *, requested: int | None = None,
                  share_devices: bool = False) -> tuple[int, ...]:
-  """The indices, among the devices this process sees, of those it drives.
-
-  Raises a `ValueError` saying what was expected and how to launch instead when the layout
-  cannot give every process its own devices.
+  """Indices of the visible devices this process drives; else a `ValueError` naming a launch.
 
   Example:
     >>> plan_devices("flat", Layout("gpu", 8, intra_rank=3, intra_size=8, shared=True))
@@ -115,9 +97,7 @@ def plan_devices(kind: str, layout: Layout, *, requested: int | None = None,
 
 
 def gpu_inventory() -> tuple[str, ...]:
-  """Identities of the NVIDIA GPUs this process can see, in CUDA ordinal order: UUIDs
-  (MIG-aware), else PCI bus ids. Read from the CUDA driver without creating a context (safe
-  before JAX starts); empty without a driver or GPU.
+  """The visible GPUs' UUIDs (else PCI bus ids) by CUDA ordinal, read safely before JAX starts.
 
   Example:
     >>> gpu_inventory()        # on a CPU machine
@@ -158,8 +138,7 @@ def cuda_plugin_installed() -> bool:
 
 
 def gpus_expected(inventory: Sequence[str]) -> bool:
-  """Whether JAX will start on GPUs: some are visible, the plugin is installed and
-  ``JAX_PLATFORMS`` (if set) admits them.
+  """Whether JAX will start on GPUs: some visible, the CUDA plugin, ``JAX_PLATFORMS`` allowing.
 
   Example:
     >>> gpus_expected(gpu_inventory())   # on a CPU machine
@@ -171,8 +150,7 @@ def gpus_expected(inventory: Sequence[str]) -> bool:
 
 
 def restrict_visible(ordinals: Sequence[int], sharers: int) -> None:
-  """Before JAX starts: open only these GPUs; with `sharers` processes on one GPU, split
-  the preallocated memory fraction between them (unless the user set it).
+  """Before JAX starts: open only these GPUs, splitting preallocation between `sharers`.
 
   Example:
     >>> restrict_visible((3,), sharers=1)  # node-local rank 3: opens GPU 3  # doctest: +SKIP
@@ -207,9 +185,7 @@ def warn_opened_others(driven: int, opened: int) -> None:
 
 
 def emulate_cpu_devices(count: int) -> None:
-  """Makes JAX's CPU platform show at least `count` devices (``XLA_FLAGS``'s
-  ``--xla_force_host_platform_device_count``); call before JAX starts. A larger count
-  already set stays.
+  """Before JAX starts: at least `count` CPU devices (``XLA_FLAGS``; a larger count stays).
 
   Example:
     >>> emulate_cpu_devices(1)   # JAX started already: it keeps what it opened
@@ -224,8 +200,7 @@ def emulate_cpu_devices(count: int) -> None:
 
 
 def agree(comm, fn, *args):
-  """``fn(*args)`` on every rank; if it raised on any rank, the same error on all of them
-  (naming the ranks), so that no rank goes on into a collective the others never reach.
+  """``fn(*args)`` on every rank; if it raised on any, the same error on all, naming the ranks.
 
   Example:
     >>> layout = Layout("gpu", 8, intra_rank=1, intra_size=8, shared=True)
@@ -247,8 +222,7 @@ def agree(comm, fn, *args):
 
 def choose_devices(kind: str, requested: int | None, share: bool, clone, node, *,
                    started: bool, start_distributed) -> tuple:
-  """The local JAX devices this process drives (`plan_devices`); starts JAX (for ``xla``
-  via `start_distributed`) with only those GPUs opened. Collective over `clone` and `node`.
+  """The local JAX devices this process drives; starts JAX with only those GPUs (collective).
 
   Example:
     >>> choose_devices("flat", None, False, comm.mpi_comm, comm.mpi_comm, started=True,

@@ -1,10 +1,5 @@
-"""One rank fails, the whole job ends: an uncaught exception aborts every rank.
-
-`install` makes an uncaught exception print its traceback prefixed with the rank, then call
-``MPI_Abort`` (as ``python -m mpi4py`` does), instead of leaving the peers waiting forever.
-`mnjax.create_communicator` installs it for multi-process jobs (``abort_on_error=False``
-opts out). A rank killed outright is left to the launcher or `mnjax.Watchdog`.
-"""
+"""One rank fails, the whole job ends: an uncaught exception prints its rank-prefixed traceback
+and calls ``MPI_Abort`` instead of leaving the peers waiting (docs/design/failures.md)."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ GRACE_SECONDS = 2.0
 
 
 def abort(message: str, *, errorcode: int = 1, grace: float = 0.0) -> None:
-  """Prints `message` to stderr and, after `grace` seconds, aborts every rank of
-  ``MPI.COMM_WORLD``.
+  """Prints `message` to stderr and, after `grace` seconds, aborts every rank of the job.
 
   Example:
     >>> abort("rank 3: data shard missing")   # never returns  # doctest: +SKIP
@@ -44,9 +38,8 @@ def _hook(exc_type, exc, tb) -> None:
 
 
 def install() -> None:
-  """Makes an uncaught exception on this rank abort the whole MPI job, naming the rank.
-
-  Idempotent; nothing on a single-process job or in an interactive session.
+  """Makes an uncaught exception on this rank abort the whole MPI job, naming the rank
+  (idempotent; nothing on one process or in an interactive session).
 
   Example:
     >>> comm = mnjax.create_communicator("flat")   # installs it already, or by hand:

@@ -1,9 +1,5 @@
-"""The launcher started N processes but MPI sees one: every process is its own job.
-
-When launcher and MPI speak different PMIs, each process becomes a size-1 MPI job and trains
-alone, silently (e.g. ``srun --mpi=none``). `check_world` compares MPI's size with the count
-the launcher put in the environment and raises on every process, naming the mismatch.
-"""
+"""The launcher started N processes but MPI sees one (launcher and MPI speak different PMIs,
+e.g. ``srun --mpi=none``): `check_world` raises instead of letting each train alone."""
 
 from __future__ import annotations
 
@@ -11,8 +7,7 @@ import os
 
 __all__ = ["check_world", "launched_size"]
 
-#: Where launchers put the number of processes they started, most specific first (Open MPI,
-#: PMI-1/PMI-2, then Slurm's step, set in every ``srun`` task).
+#: Where launchers put their process count, most specific first (Open MPI, PMI, Slurm step).
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
 
 
@@ -31,8 +26,7 @@ def launched_size(environ=os.environ) -> tuple[str, int] | None:
 
 
 def check_world(world_size: int, library: str, environ=os.environ) -> None:
-  """Raises `RuntimeError` when a launcher started several processes but MPI's world has
-  one (`library`: ``MPI.Get_library_version()``, named in the message).
+  """Raises `RuntimeError` when a launcher started several processes but MPI's world has one.
 
   Example:
     >>> check_world(4, "MPICH", {"PMI_SIZE": "4"})   # fine: MPI sees the launcher's job

@@ -1,11 +1,5 @@
-"""JAX's process view under the MPI kinds: a warning where a script reads it, not at start.
-
-The MPI kinds do not start jax.distributed, so ``jax.process_index()`` is 0 and
-``jax.process_count()`` 1 on every rank. `watch` (run by `create_communicator`) wraps both:
-they return JAX's values unchanged and, on every rank but 0, warn once per calling line (a
-`UserWarning` starting ``mnjax: jax.process_index``), never for mnjax's own calls. Silence it
-with ``warnings.filterwarnings('ignore', message='mnjax: jax.process_index')``.
-"""
+"""Under the MPI kinds JAX sees one process: `watch` makes ``jax.process_index``/``process_count``
+warn once per calling line on ranks but 0, never for mnjax's calls (docs/design/failures.md)."""
 
 from __future__ import annotations
 
@@ -21,9 +15,7 @@ _QUIET = ["mnjax"]  # the packages whose calls never warn (and orbax on a group'
 
 
 def watch(comm) -> None:
-  """Warn from now on where this rank's code reads JAX's (wrong) process index or count.
-
-  Nothing to do for ``xla``, for one process, on rank 0, or once JAX counts the processes.
+  """From now on, warn where this rank's code reads JAX's (wrong) process index or count.
 
   Example:
     >>> watch(comm)   # one process: nothing is replaced
@@ -42,8 +34,7 @@ def watch(comm) -> None:
 
 
 def watch_group(group) -> None:
-  """For each group made by `mnjax.Communicator.split`: on the group's rank 0 (where its
-  checkpointer runs orbax), orbax's calls stay quiet.
+  """On a `Communicator.split` group's rank 0 (which runs orbax), orbax's calls stay quiet.
 
   Example:
     >>> watch_group(comm)   # rank 0 of its group: orbax's calls on this process stay quiet

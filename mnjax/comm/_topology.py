@@ -1,9 +1,5 @@
-"""Which ranks share a node, and where each node sits among the nodes.
-
-`create_communicator` splits its ranks by node (MPI's shared-memory split, or
-``MNJAX_EMULATE_NODES``'s consecutive ranks) and numbers the nodes; `mnjax.Communicator.split`
-numbers the nodes of a group of ranks from the parent's. Both read the topology here.
-"""
+"""Which ranks share a node (MPI's shared-memory split, or ``MNJAX_EMULATE_NODES``), and where
+each node sits among the nodes."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ EMULATE_NODES = "MNJAX_EMULATE_NODES"
 
 
 def node_split(clone: MPI.Intracomm) -> MPI.Intracomm:
-  """The processes on this node: MPI's shared-memory split, or with ``MNJAX_EMULATE_NODES=k``
-  ``k`` nodes of consecutive ranks. Collective over `clone`.
+  """The processes on this node (shared-memory split, or ``MNJAX_EMULATE_NODES``); collective.
 
   Example:
     >>> node = node_split(comm.mpi_comm)        # one process: its own node
@@ -41,8 +36,7 @@ def node_split(clone: MPI.Intracomm) -> MPI.Intracomm:
 
 
 def node_topology(clone: MPI.Intracomm, node: MPI.Intracomm) -> tuple[int, int, int, int]:
-  """``(intra_rank, intra_size, inter_rank, inter_size)`` of this rank, from `node` (a split
-  of `clone` by node). Collective over `clone` and `node`.
+  """``(intra_rank, intra_size, inter_rank, inter_size)`` from `node`, `clone` split by node.
 
   Example:
     >>> node = comm.mpi_comm.Split(color=0, key=comm.rank)    # one node

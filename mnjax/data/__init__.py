@@ -1,17 +1,11 @@
-"""Layer 3 — data: one path from a named dataset to each replica's examples.
+"""Layer 3 — data: from a named dataset to each replica's examples (docs/design/data.md).
 
-* Sources: `open_source` (the registry of datasets by name, each a random-access uint8
-  `Source`); `load` / `load_digits` hold a small split in memory as a float32 `Split`.
-* Order: `global_batch_slices` defines the training order, used by `epoch_batches` (arrays
-  in memory) and `Loader` (a `Source`: shuffled, augmented, prefetched batches).
-* ChainerMN's sharding: `scatter_index` / `scatter_dataset` give each rank one contiguous
-  block of the permutation (``root=r``: only rank ``r`` holds the data and sends shards).
-* The same batches on every rank, for models split over ranks:
-  `create_multi_node_iterator`, `create_synchronized_iterator`, `create_empty_dataset`.
-* `augment`: the standard image augmentations, as pure functions of a key.
-
-Each function that partitions data first compares what decides the partition across ranks:
-a value that differs on one rank raises on every rank. Design: docs/design/data.md.
+* Sources: `open_source` (by name, random-access uint8 `Source`s); `load` / `load_digits`
+  hold a small split in memory as a float32 `Split`. `augment`: image augmentations.
+* Order: `global_batch_slices`, behind `epoch_batches` (arrays) and `Loader` (a `Source`).
+* ChainerMN's: `scatter_index` / `scatter_dataset` (one block per rank), and for the same
+  batches on every rank `create_multi_node_iterator`, `create_synchronized_iterator`,
+  `create_empty_dataset`. What partitions data first checks the ranks passed equal values.
 
 Example::
 

@@ -1,10 +1,4 @@
-"""The ranks must agree on what decides which examples each of them reads.
-
-`check_same_plan` compares those values (dataset size, seed, epoch, global batch, options)
-across ranks once per call of `scatter_index`, `scatter_dataset`, `epoch_batches` and
-`mnjax.data.Loader` (one allgather of a hash, values only on a mismatch; nothing at size 1)
-and raises the same `ValueError` on every rank, naming each differing value and its ranks.
-"""
+"""`check_same_plan`: the ranks must agree on what decides which examples each of them reads."""
 
 from __future__ import annotations
 
@@ -66,9 +60,7 @@ def check_same_plan(comm: Communicator, caller: str, values: dict[str, Any],
                     fix: str = "") -> None:
   """Raises the same `ValueError` on every rank unless every rank passed equal `values`.
 
-  Collective over ``comm.mpi_comm`` (host level), except at ``comm.size == 1``: every rank
-  must call it the same number of times. `values` maps a label (the argument's name, or
-  ``"dataset size"``) to the value that decides the partition; `fix` is added to the message.
+  Collective (host level; nothing at size 1). `fix` is appended to the message.
 
   Example:
     >>> check_same_plan(comm, "epoch_batches", {"dataset size": 100, "seed": 0, "epoch": 3})

@@ -1,9 +1,4 @@
-"""`create_empty_dataset`: a dataset for the ranks of a multi-node model that take no input.
-
-Every rank must run the same number of steps, so a rank whose stage starts with ``recv``
-iterates an `EmptyDataset` as long as the real one (every example ``()``), indexed with the
-same index arrays (`mnjax.epoch_batches`, `mnjax.scatter_index`) as the first stage.
-"""
+"""`create_empty_dataset`: a dataset for the ranks of a multi-node model that take no input."""
 
 from __future__ import annotations
 
@@ -59,16 +54,9 @@ class EmptyDataset(Sequence):
 
 
 def create_empty_dataset(dataset: Any) -> EmptyDataset:
-  """A dataset as long as `dataset` whose every example is ``()`` (ChainerMN's).
+  """An `EmptyDataset` as long as `dataset` (as `mnjax.scatter_dataset` takes it); ChainerMN's.
 
   For the ranks that take no input, so every rank runs the same steps. Local.
-
-  Args:
-    dataset: an array, a pytree of arrays sharing their leading dimension, or a sequence
-      (as `mnjax.scatter_dataset` takes them).
-
-  Returns:
-    An `EmptyDataset` of ``len(dataset)`` examples.
 
   Example:
     >>> images = np.zeros((10, 8, 8, 1))

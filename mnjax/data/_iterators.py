@@ -1,11 +1,4 @@
-"""The same batches on every rank: ChainerMN's multi-node and synchronized iterators.
-
-* `create_multi_node_iterator`: rank ``rank_master`` iterates its batches and broadcasts
-  each (a pickled header, then the arrays through `mnjax.broadcast`); every rank stops at
-  the same step, and an error of the master's iterator is raised on every rank.
-* `create_synchronized_iterator`: every rank holds the dataset and cuts the same batches
-  from the same permutation; nothing moves per step.
-"""
+"""The same batches on every rank: ChainerMN's multi-node and synchronized iterators."""
 
 from __future__ import annotations
 
@@ -25,20 +18,10 @@ __all__ = ["create_multi_node_iterator", "create_synchronized_iterator"]
 
 def create_multi_node_iterator(batches: Iterable[Any] | None, comm: Communicator, *,
                                rank_master: int = 0) -> Iterator[Any]:
-  """Rank `rank_master`'s batches, broadcast to every rank, one per step (ChainerMN's).
+  """Rank `rank_master`'s batches (pytrees of arrays) broadcast to every rank, one per step.
 
-  Every rank gets the master's batches as numpy arrays in the same pytree, and the iterator
-  ends on every rank at the same step: iterate it in lockstep on every rank. Collective at
-  creation and at each step. An error of the master's iterator, or a batch that is not a
-  pytree of arrays, raises on every rank.
-
-  Args:
-    batches: on `rank_master`, an iterable of pytrees of arrays; ignored elsewhere.
-    comm: the `Communicator`.
-    rank_master: the rank that reads the data (the same on every rank).
-
-  Returns:
-    An iterator of the master's batches, on every rank.
+  ChainerMN's. Collective at creation and at each step; `batches` is read on `rank_master`
+  only, and its errors raise on every rank.
 
   Example:
     >>> data = [(np.full((2, 3), i, np.float32), np.arange(2)) for i in range(3)]
@@ -122,22 +105,8 @@ def create_synchronized_iterator(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """The same ``(indices, mask)`` batches on every rank, in one shuffled order (ChainerMN's).
 
-  Each batch is a consecutive chunk of one permutation drawn from ``(seed, epoch)``; nothing
-  moves per step. Collective when called: the ranks compare the arguments (a value that
-  differs on one rank raises on every rank), then, with ``seed=None``, rank 0 broadcasts a
-  seed it draws (ChainerMN's), so the order is new at every call and the same everywhere.
-
-  Args:
-    n: number of examples (at least 1).
-    comm: the `Communicator`.
-    batch_size: examples per batch, the same on every rank.
-    shuffle: permute the examples (else: dataset order).
-    seed: seed of the permutation (an int, the same on every rank), or None: rank 0's.
-    epoch: epoch number; a new permutation per epoch.
-    drop_remainder: full batches only; False pads the last batch (index 0, mask False).
-
-  Returns:
-    An iterator of ``(indices, mask)`` int64 and bool arrays of shape ``(batch_size,)``.
+  Collective when called; ``seed=None``: rank 0 draws one. ``drop_remainder=False`` pads the
+  last batch (index 0, mask False).
 
   Example:
     >>> batches = mnjax.data.create_synchronized_iterator(10, comm, 4, seed=0, epoch=1)

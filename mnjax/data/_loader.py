@@ -1,12 +1,4 @@
-"""This rank's batches of a random-access source, prepared in the background.
-
-`Loader` cuts an epoch of a `mnjax.data.Source` into global batches as `mnjax.epoch_batches`
-does (the same function), reads and preprocesses the examples in worker threads, and keeps
-``prefetch`` batches ready in a queue. ``loader.wait_seconds`` is the time the training
-loop spent waiting for input. Training: shuffled, full global batches only. Evaluation: in
-order, the last global batch padded and masked. Each example's augmentation draws from
-``np.random.default_rng([seed, epoch, index])``, the same on any rank and any run.
-"""
+"""`Loader`: this rank's batches of a `Source`, prepared in background threads."""
 
 from __future__ import annotations
 
@@ -119,11 +111,7 @@ class Loader:
     return np.asarray(self.transform(image, rng), np.float32), label
 
   def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
-    """This rank's batches of `epoch`, prepared `prefetch` batches ahead in the background.
-
-    ``start`` skips the epoch's first batches without reading them (resuming mid-epoch).
-    Collective when called (not when first iterated).
-    """
+    """This rank's batches of `epoch` from batch `start` (to resume); collective when called."""
     check_same_plan(self.comm, "Loader.epoch", self._values(epoch=epoch, start=start))
     plan = list(zip(*self._plan(epoch)))
     if not 0 <= start <= len(plan):

@@ -1,13 +1,4 @@
-"""`scatter_dataset`: this rank's shard of a dataset that every rank holds, or the root alone.
-
-* ``root=None`` (default): every rank holds the dataset; nothing is sent, the ranks compare
-  its size and the options, and each indexes its own copy.
-* ``root=r`` (ChainerMN's): only rank ``r`` holds it; it broadcasts the size (or why it
-  cannot be scattered) and sends each rank its examples, pickled with `mpi4py.util.pkl5`.
-
-Both give the shards of `mnjax.data.shard_indices` (`scatter_index`'s). `dataset_length` and
-`take` accept an array, a pytree of arrays sharing their leading dimension, or a sequence.
-"""
+"""`scatter_dataset`: this rank's shard of a dataset that every rank holds, or the root alone."""
 
 from __future__ import annotations
 
@@ -75,22 +66,10 @@ def scatter_dataset(dataset: Any, comm: Communicator, *, root: int | None = None
                     force_equal_length: bool = True, return_mask: bool = False) -> Any:
   """This rank's shard of `dataset`: ``dataset[scatter_index(len(dataset), comm, ...)]``.
 
-  ChainerMN's `scatter_dataset`. By default every rank holds the dataset and nothing is
-  sent. With ``root=r`` only rank ``r``'s `dataset` is read (the others pass None) and rank
-  ``r`` sends each rank its examples, the same shards as ``root=None`` on its data.
-  Collective: call it on every rank.
-
-  Args:
-    dataset: an array, a pytree of arrays sharing their leading dimension, or any sequence
-      with ``len`` and ``[]``; with `root`, only the root's is read.
-    comm: the `Communicator`.
-    root: None (every rank holds the dataset) or the rank that alone holds it.
-    shuffle, seed, epoch, force_equal_length: as in `scatter_index`.
-    return_mask: also return `scatter_index`'s mask (False on duplicates).
-
-  Returns:
-    The shard (arrays indexed; a sequence as a `SubDataset`, or a list from `root`), or
-    ``(shard, mask)`` with `return_mask`.
+  ChainerMN's. Collective. `dataset`: an array, a pytree of arrays sharing their leading
+  dimension, or a sequence. With ``root=r`` only rank ``r`` holds it (the others pass None)
+  and sends each rank its shard. Other arguments as in `scatter_index`. Returns the shard (a
+  sequence as a `SubDataset`, or a list from `root`), or ``(shard, mask)``.
 
   Example:
     >>> x, y = np.arange(20).reshape(10, 2), np.arange(10)

@@ -1,15 +1,5 @@
-"""Data sharding: which examples each rank reads, and in what order.
-
-Every rank computes the same permutation from ``(seed, epoch)``, without communication, and
-takes its part of it, in one of two ways:
-
-* `epoch_batches` / `global_batch_slices`: the training order (also `mnjax.data.Loader`'s).
-  Each global batch is a consecutive chunk of the permutation, process ``r`` takes its
-  ``r``-th slice and its local devices split that slice in order, so a step's examples do
-  not depend on how replicas group into processes.
-* `scatter_index` (and `mnjax.scatter_dataset`): ChainerMN's split, one contiguous block of
-  the permutation per rank (`shard_bounds`, `shard_indices`); it depends on ``size``, so use
-  it to hand each rank its own data, not to cut global batches.
+"""Which examples each rank reads, and in what order (docs/design/data.md): every rank draws
+the same permutation from ``(seed, epoch)`` and takes its part of it.
 
 Example:
   >>> idx, mask = mnjax.data.global_batch_slices(8, 4, rank=1, size=2, shuffle=False)
@@ -108,22 +98,9 @@ def scatter_index(
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
   """This rank's contiguous block of indices into a dataset of `n` examples (ChainerMN's).
 
-  The union over ranks covers ``range(n)``; with `shuffle` the order is a permutation drawn
-  from ``(seed, epoch)``, the same on every rank. Collective: the ranks first compare the
-  arguments, and a value that differs on one rank raises `ValueError` on every rank.
-
-  Args:
-    n: number of examples (any ``n >= 0``; few examples give duplicated or empty shards).
-    comm: the `Communicator`.
-    shuffle: permute before splitting.
-    seed: base seed of the permutation, an int (the same on every rank).
-    epoch: epoch number; a new permutation per epoch.
-    force_equal_length: ChainerMN's split: ``ceil(n / size)`` indices each, a short block
-      ending with the next rank's first examples. ``False``: an exact partition.
-    return_mask: also return a bool array, False where an index is a duplicate.
-
-  Returns:
-    int64 indices, or ``(indices, mask)`` when `return_mask`.
+  Collective: the arguments must match on every rank. ``force_equal_length``: ``ceil(n /
+  size)`` indices each, a short block ending with the next rank's first ones; False: an
+  exact partition. ``return_mask``: also a bool array, False on duplicates.
 
   Example:
     >>> x, y = np.arange(20).reshape(10, 2), np.arange(10)
@@ -188,9 +165,7 @@ class SubDataset(Sequence):
 
 
 def local_batch_size(global_batch_size: int, comm: Communicator) -> int:
-  """The per-process batch size for a global batch, checked to split evenly.
-
-  Pure arithmetic on ``comm``'s sizes, no communication.
+  """The per-process batch size for a global batch, checked to split over the replicas; local.
 
   Example:
     >>> mnjax.local_batch_size(128, comm) * comm.size    # 32 under mpirun -n 4
@@ -251,25 +226,11 @@ def global_batch_slices(
     epoch: int = 0,
     drop_remainder: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Process `rank` of `size`'s slice of every global batch of an epoch, as arrays.
+  """Process `rank` of `size`'s slice of every global batch of an epoch. Pure.
 
-  Global batch ``s`` is positions ``[s * B, (s + 1) * B)`` of the epoch's permutation, and
-  process ``rank`` takes its ``rank``-th slice of ``B / size`` examples. Concatenating the
-  slices of ranks ``0 .. size - 1`` gives the global batch, for any `size`. Pure.
-
-  Args:
-    n: number of examples (at least 1; training needs at least ``B``).
-    global_batch_size: ``B``, examples per step over all processes (a multiple of `size`).
-    rank: this process's rank, ``0 <= rank < size``.
-    size: number of processes.
-    shuffle: permute the examples (else: dataset order).
-    seed: base seed of the permutation (the same on every rank).
-    epoch: epoch number; a new permutation per epoch.
-    drop_remainder: full global batches only (training). ``False`` (evaluation): the last
-      global batch is padded with index 0, masked False, so each example counts once.
-
-  Returns:
-    ``(indices, mask)``: int64 and bool arrays of shape ``(steps, B // size)``.
+  Global batch ``s`` is positions ``[s * B, (s + 1) * B)`` of the permutation (``B``:
+  `global_batch_size`). ``drop_remainder=False`` pads the last one (index 0, mask False).
+  Returns int64 ``indices`` and bool ``mask`` of shape ``(steps, B // size)``.
 
   Example:
     >>> idx, mask = mnjax.data.global_batch_slices(10, 4, rank=0, size=2, shuffle=False,
@@ -291,13 +252,9 @@ def epoch_batches(
     epoch: int = 0,
     drop_remainder: bool = True,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-  """This process's ``(indices, mask)`` per step; the same step count on every rank.
+  """This process's ``(indices, mask)`` per step: `global_batch_slices` for ``comm``.
 
-  The rows of `global_batch_slices` for ``comm.rank`` of ``comm.size``, so the examples of
-  every step do not depend on how replicas group into processes (4 x 1 trains like 2 x 2).
-  Collective, once per epoch on every rank: the arguments are compared across ranks, and a
-  value that differs on one rank raises `ValueError` on every rank. ``drop_remainder=False``
-  (evaluation) pads the last global batch (index 0, mask False).
+  Collective, once per epoch on every rank (the arguments must match).
 
   Example:
     >>> x, y = np.zeros((100, 8, 8, 1)), np.arange(100)

@@ -1,17 +1,4 @@
-"""Image classification datasets by name: the one registry, and its in-memory float view.
-
-``open_source(name, split)`` returns a random-access `Source`: ``source[i]`` is a uint8 HWC
-image and an int label. The sources (`SOURCES`):
-
-* ``digits``: scikit-learn's UCI digits (8x8, 10 classes), offline; a fixed stratified
-  80/20 split with seed 0 (1,438 train, 359 test).
-* ``mnist``, ``cifar10``, ``imagenet2012``: tensorflow-datasets' ``tfds.data_source``,
-  prepared once as ArrayRecord (``tfds build NAME --data_dir DIR --file_format
-  array_record``) and never downloaded at run time.
-* ``synthetic``: ImageNet-shaped random images, generated per index from a seed.
-
-`load` (``load_digits``) holds a small split (`DATASETS`) in memory as a float32 `Split`:
-`as_split` of the `Source`.
+"""Image classification datasets by name (`open_source`), and their in-memory float view.
 
 Example:
   >>> train = mnjax.data.load("digits", "train")
@@ -135,15 +122,10 @@ class _Synthetic(Sequence):
 def open_source(name: str, split: str, *, data_dir: str | None = None,
                 image_size: int = 224, synthetic_size: int | None = None,
                 seed: int = 0) -> Source:
-  """A dataset split by name (see `SOURCES`); ``split`` is ``"train"`` or ``"test"``.
+  """A dataset split by name (one of `SOURCES`), ``"train"`` or ``"test"`` (ImageNet's validation).
 
-  Args:
-    name: ``digits``, ``synthetic``, ``mnist``, ``cifar10`` or ``imagenet2012``.
-    split: ``"train"`` or ``"test"`` (ImageNet's test split is its ``validation``).
-    data_dir: where tensorflow-datasets keeps prepared datasets (tfds' default if None).
-    image_size: side of the ``synthetic`` images.
-    synthetic_size: number of ``synthetic`` examples (default: ImageNet's split sizes).
-    seed: seed of the ``synthetic`` images.
+  ``mnist``, ``cifar10``, ``imagenet2012``: tensorflow-datasets' ArrayRecord prepared in
+  `data_dir` (never downloaded). `image_size`, `synthetic_size`, `seed`: ``synthetic``'s.
 
   Example:
     >>> source = mnjax.data.open_source("synthetic", "train", image_size=32)
@@ -188,9 +170,7 @@ def _open_tfds(name: str, split: str, data_dir: str | None) -> Source:
 
 
 def as_split(source: Source) -> Split:
-  """The whole `source` in memory: float32 NHWC images in [0, 1] (uint8 / 255), int32 labels.
-
-  Meant for small datasets (`DATASETS`), not for ImageNet.
+  """The whole `source` in memory (for `DATASETS`): float32 NHWC in [0, 1], int32 labels.
 
   Example:
     >>> split = mnjax.data.as_split(mnjax.data.open_source("digits", "test"))
@@ -213,13 +193,7 @@ def as_split(source: Source) -> Split:
 
 
 def load(name: str, split: str, **options) -> Split:
-  """A dataset split by name, in memory as float32 (`as_split` of `open_source`).
-
-  Args:
-    name: one of `DATASETS` (``digits`` needs nothing; ``mnist``, ``cifar10`` need a
-      prepared tensorflow-datasets ``data_dir``).
-    split: ``"train"`` or ``"test"``.
-    **options: `open_source` options (``data_dir``).
+  """A split of one of `DATASETS` in memory as float32 (`as_split` of `open_source`).
 
   Example:
     >>> train = mnjax.data.load("digits", "train")

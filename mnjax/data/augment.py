@@ -1,9 +1,4 @@
-"""Per-example image preprocessing on the host: crops, flips, resizing, normalisation.
-
-Pure numpy functions of ``(image, rng)`` (resizing through Pillow), so loader threads get
-the same result for the same ``rng`` on any rank. `transforms` gives the standard recipes:
-ImageNet (random-resized crop and flip; eval: resize and center crop), CIFAR-10 (pad 4,
-random crop, flip), MNIST / digits (as is).
+"""Per-example image preprocessing on the host: pure numpy functions of ``(image, rng)``.
 
 Example:
   >>> train, evaluate = mnjax.data.augment.transforms("imagenet2012", image_size=224)
@@ -132,13 +127,10 @@ def normalize(image: np.ndarray, name: str) -> np.ndarray:
 
 
 def transforms(name: str, image_size: int | None = None) -> tuple[Transform, Transform]:
-  """``(train, eval)`` preprocessing for dataset `name`; each maps ``(uint8 image, rng)``
-  to a float32 HWC array of one fixed shape.
+  """``(train, eval)`` preprocessing for `name`: ``(uint8 image, rng) -> float32 HWC array``.
 
-  Args:
-    name: a dataset of `mnjax.data.SOURCES`.
-    image_size: output side for ``imagenet2012`` and ``synthetic`` (default 224); the
-      small datasets keep their own size.
+  Recipes: ImageNet (random-resized crop, flip; eval: resize, center crop), CIFAR-10 (pad,
+  random crop, flip), MNIST / digits (as is). `image_size`: the ImageNet recipe's (224).
 
   Example:
     >>> train, evaluate = transforms("cifar10")

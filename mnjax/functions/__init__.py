@@ -1,17 +1,11 @@
 """Differentiable communication inside a jitted step: ChainerMN's ``chainermn.functions``.
 
-For model parallelism, where activations travel between ranks inside each rank's step:
+* `send` / `recv`: point to point; `pseudo_connect` joins `send`'s delegate to a loss.
+* `bcast`, `gather`, `scatter`, `allgather`, `alltoall`: collectives.
+* `jit`: ``jax.jit`` with the pairing check, also on a rank whose step exchanges nothing.
 
-* `send` / `recv`: point to point, each with the transposed exchange as its backward;
-  `pseudo_connect` joins `send`'s delegate to other values of a loss.
-* `bcast`, `gather`, `scatter` (rooted), `allgather`, `alltoall`: collectives whose
-  backward is the transposed exchange.
-* `jit`: ``jax.jit`` with the pairing check run when the step is traced, also on a rank
-  whose step exchanges nothing.
-
-Under plain ``jax.jit`` the step's first lowering checks across the ranks that their
-exchanges pair up (else an `ExchangeError` on every rank, before anything is exchanged).
-Kind ``flat`` on CPU devices only. Design: docs/design/functions.md.
+A step's exchanges must pair up across ranks (else `ExchangeError` on every rank). Kind
+``flat`` on CPU devices only. Design: docs/design/functions.md.
 
 Example::
 

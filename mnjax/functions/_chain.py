@@ -1,10 +1,5 @@
-"""How `mnjax.functions` orders its exchanges and makes ``jax.grad`` run their backward.
-
-Order: each exchange waits for the previous in-step collective of the step (its ``after``
-operand, from `mnjax.comm._instep._sequence.ORDER`), so every rank runs its exchanges in the
-order it traced them; a backward exchange also waits for its own forward result.
-Backward: every differentiable exchange takes an `anchor` (a zero ``jax.new_ref`` read that
-``jax.grad`` gives a tangent), so it has a backward exchange whatever it depends on.
+"""How `mnjax.functions` orders its exchanges (an ``after`` operand) and gives them a backward
+(an `anchor`); docs/design/functions.md.
 """
 
 from __future__ import annotations
@@ -39,7 +34,7 @@ def scalar(value: Any) -> jax.Array:
 
 
 class _Mine(threading.local):
-  """The last link an exchange of `mnjax.functions` put, and the recording it was put in."""
+  """The last link an exchange of `mnjax.functions` put, and its recording."""
 
   value: Any = None
   log: Any = None
@@ -65,8 +60,7 @@ def _last(comm: Any) -> jax.Array | None:
 
 
 def link(comm: Any = None) -> jax.Array:
-  """The ``after`` operand for the next forward exchange: the last in-step collective's
-  result if this trace can use it, else a zero (never differentiated).
+  """The ``after`` operand of the next forward exchange (never differentiated).
 
   Example:
     >>> link().shape, link().dtype
@@ -89,8 +83,7 @@ def _log() -> Any:
 
 
 def anchor() -> jax.Array:
-  """A float32 zero that ``jax.grad`` gives a tangent of its own (a fresh ``jax.new_ref``
-  read), so an exchange that takes it always gets a backward.
+  """A float32 zero that ``jax.grad`` gives a tangent of its own (a ``jax.new_ref`` read).
 
   Example:
     >>> float(anchor())
@@ -100,8 +93,7 @@ def anchor() -> jax.Array:
 
 
 def differentiable(forward: Callable, backward: Callable, x: Any, comm: Any = None) -> Any:
-  """``forward(x, after)``, with ``backward(ct, after) -> (ct_x, done)`` as its derivative
-  under ``jax.grad``; both ordered in the step's chain. `x` may be None (a receive).
+  """``forward(x, after)``, with ``backward(ct, after) -> (ct_x, done)`` as its derivative.
 
   Example:
     >>> double = lambda x, after: 2 * x
@@ -118,8 +110,7 @@ def differentiable(forward: Callable, backward: Callable, x: Any, comm: Any = No
 
 def apply(forward: Callable, backward: Callable, x: Any, dtype: Any, comm: Any = None,
           caller: str = "exchange") -> Any:
-  """`differentiable` for an inexact `dtype`, else the forward exchange alone. A misplaced
-  call (`_checks.misplaced`) is refused for the check and returns a stand-in.
+  """`differentiable` for an inexact `dtype`, else `forward` alone; a misplaced call is refused.
 
   Example:
     >>> int(apply(lambda x, after: x + 1, None, jnp.int32(1), jnp.int32))

@@ -1,10 +1,4 @@
-"""Argument checks of `mnjax.functions`, and how a refusal reaches every rank.
-
-A bad argument every rank passes alike raises at once. One that may differ per rank (a peer
-or root outside the communicator), or a call in a control-flow body or an inner ``jax.jit``
-(`misplaced`), is noted as a refusal in the step's sequence and replaced by a stand-in
-result; the pre-flight check then raises it on every rank (`mnjax.guard._pairing`).
-"""
+"""Argument checks of `mnjax.functions`; a problem that may differ per rank is refused on all."""
 
 from __future__ import annotations
 
@@ -110,8 +104,7 @@ def refuse(problem: str, comm: Communicator) -> None:
 
 
 def misplaced(caller: str) -> str | None:
-  """Why an exchange must not be traced here, or None: inside a control-flow body (`BODY`)
-  or an inner ``jax.jit`` (`INNER_JIT`).
+  """Why an exchange must not be traced here (a control-flow body, an inner ``jax.jit``), or None.
 
   Example:
     >>> misplaced("send") is None
@@ -129,7 +122,7 @@ def misplaced(caller: str) -> str | None:
 
 
 def stand_in(fn: Any, *args: Any) -> Any:
-  """Zeros shaped like ``fn(*args)``'s result, issuing no exchange: a refused call's result.
+  """Zeros shaped like ``fn(*args)``'s result, issuing no exchange.
 
   Example:
     >>> stand_in(lambda x: x + 1, jnp.ones(2))
@@ -141,7 +134,7 @@ def stand_in(fn: Any, *args: Any) -> Any:
 
 
 def checked(rank: Any, comm: Communicator, name: str, caller: str, *, peer: bool) -> bool:
-  """Whether `rank` is good; when not, the call is refused (`refuse`) and returns False.
+  """Whether `rank` is good; if not, the call is refused.
 
   Example:
     >>> checked(0, comm, "root", "bcast", peer=False)
@@ -154,7 +147,7 @@ def checked(rank: Any, comm: Communicator, name: str, caller: str, *, peer: bool
 
 
 def payload(x: Any, caller: str, name: str = "x") -> jax.Array:
-  """`x` as an array MPI can move (any dtype but complex and object), not empty.
+  """`x` as a non-empty array MPI can move (no complex or object dtype).
 
   Example:
     >>> payload([1.0, 2.0], "send").dtype
@@ -170,7 +163,7 @@ def payload(x: Any, caller: str, name: str = "x") -> jax.Array:
 
 
 def like_spec(like: Any, caller: str, name: str = "like") -> jax.ShapeDtypeStruct:
-  """The shape and dtype `like` gives (an array or a ``jax.ShapeDtypeStruct``).
+  """The shape and dtype of `like` (an array or a ``jax.ShapeDtypeStruct``).
 
   Example:
     >>> like_spec(jax.ShapeDtypeStruct((2, 3), jnp.float32), "recv").shape

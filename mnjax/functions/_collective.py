@@ -1,12 +1,5 @@
 """Differentiable collectives inside a jitted step: ChainerMN's bcast, gather, scatter,
-allgather and alltoall.
-
-Each backward is the transposed exchange, as in ChainerMN. Stacked values have a leading
-axis of size ``comm.size`` (row ``i``: rank ``i``'s part). Non-root ranks of `bcast` and
-`scatter` pass an array or ``jax.ShapeDtypeStruct`` of the root's shape and dtype. With
-``shapes`` (and `scatter` given a list of parts) each rank's part has its own shape and the
-result is a tuple of parts (`mnjax.functions._parts`). On a size-1 communicator they are the
-plain array operations they reduce to.
+allgather and alltoall. Stacked values have a leading axis of one row per rank.
 """
 
 from __future__ import annotations
@@ -29,15 +22,9 @@ __all__ = ["allgather", "alltoall", "bcast", "gather", "scatter"]
 
 
 def bcast(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
-  """Rank `root`'s `x` on every rank of `comm`.
+  """Rank `root`'s `x` on every rank; backward: the gradients summed to the root.
 
-  Backward: every rank's gradient is summed to the root's `x` (the others' get zero).
-
-  Args:
-    x: on the root, the array; elsewhere an array or ``jax.ShapeDtypeStruct`` of its shape
-      and dtype.
-    comm: the ``flat`` `Communicator`.
-    root: the rank whose `x` every rank gets.
+  Non-roots pass an array or ``jax.ShapeDtypeStruct`` of the root's shape and dtype.
 
   Example:
     >>> mnjax.functions.bcast(jnp.arange(3.0), comm, 0)
@@ -57,13 +44,10 @@ def bcast(x: Any, comm: Communicator, root: int = 0) -> jax.Array:
 
 
 def gather(x: Any, comm: Communicator, root: int = 0, *, shapes: Any = None) -> Any:
-  """Every rank's `x` stacked on rank `root` (shape ``(comm.size, *x.shape)``); elsewhere a
-  delegate (a float32 zero scalar, as `send` returns).
+  """Every rank's `x` stacked on rank `root`; elsewhere a delegate (as `send` returns).
 
-  With ``shapes`` (every rank's shape, ``shapes[i]`` rank i's, the same on every rank: a
-  gatherv), the root gets the tuple of the ranks' parts.
-
-  Backward: the root's gradient rows go back to their ranks (ChainerMN: a scatter).
+  With ``shapes`` (rank i's shape at i, the same on every rank), the root gets a tuple of parts.
+  Backward: a scatter from the root.
 
   Example:
     >>> mnjax.functions.gather(jnp.ones(2), comm, 0).shape
@@ -87,16 +71,10 @@ def gather(x: Any, comm: Communicator, root: int = 0, *, shapes: Any = None) -> 
 
 
 def scatter(xs: Any, comm: Communicator, root: int = 0) -> jax.Array:
-  """Row ``comm.rank`` of rank `root`'s `xs` (leading axis of size ``comm.size``).
+  """Row ``comm.rank`` of rank `root`'s stacked `xs`; backward: a gather to the root.
 
-  Backward: every rank's gradient is gathered into the root's `xs` (the others' get zero).
-
-  Args:
-    xs: on the root, the stacked array, or a list of ``comm.size`` parts of any shapes (a
-      scatterv: rank i gets part i); elsewhere an array or ``jax.ShapeDtypeStruct`` of its
-      shape and dtype, or a list of the parts' (every rank names every part's shape).
-    comm: the ``flat`` `Communicator`.
-    root: the rank whose rows are handed out.
+  The root may pass a list of ``comm.size`` parts of any shapes (rank i gets part i). The
+  others pass an array or ``jax.ShapeDtypeStruct`` (or a list of them) of the same shapes.
 
   Example:
     >>> mnjax.functions.scatter(jnp.arange(2.0 * comm.size).reshape(comm.size, 2), comm, 0)
@@ -121,12 +99,7 @@ def scatter(xs: Any, comm: Communicator, root: int = 0) -> jax.Array:
 
 
 def allgather(x: Any, comm: Communicator, *, shapes: Any = None) -> Any:
-  """Every rank's `x` stacked on every rank (shape ``(comm.size, *x.shape)``).
-
-  With ``shapes`` (every rank's shape, ``shapes[i]`` rank i's, the same on every rank: an
-  allgatherv), the tuple of the ranks' parts.
-
-  Backward: row ``j`` of every rank's gradient goes to rank ``j``, which sums them.
+  """Every rank's `x` stacked on every rank; with ``shapes``, a tuple of parts.
 
   Example:
     >>> mnjax.functions.allgather(jnp.ones(2), comm).shape == (comm.size, 2)
@@ -150,11 +123,8 @@ def allgather(x: Any, comm: Communicator, *, shapes: Any = None) -> Any:
 def alltoall(xs: Any, comm: Communicator, *, shapes: Any = None) -> Any:
   """Row ``j`` of `xs` goes to rank ``j``; row ``i`` of the result came from rank ``i``.
 
-  With ``shapes`` (``shapes[i][j]``: the shape rank i sends to rank j, the same table on
-  every rank), `xs` is a list of ``comm.size`` parts of this rank's row of the table, and
-  the result the tuple of the parts received, part i from rank i.
-
-  Backward: the gradient goes back through the same all-to-all.
+  With ``shapes`` (``shapes[i][j]``: the shape rank i sends to rank j, the same on every
+  rank), `xs` and the result are lists of parts.
 
   Example:
     >>> xs = jnp.arange(2.0 * comm.size).reshape(comm.size, 2)
@@ -187,7 +157,7 @@ def _operand(x: Any, comm: Communicator, root: Any, caller: str,
 
 
 def _differentiable(x: jax.Array | None) -> jax.Array | None:
-  """A non-root's array: only its shape counts (it gets a zero gradient), if any."""
+  """A non-root's array if inexact (it gets a zero gradient), else None."""
   return x if x is not None and jnp.issubdtype(x.dtype, jnp.inexact) else None
 
 

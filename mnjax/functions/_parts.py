@@ -1,14 +1,4 @@
-"""Per-rank shapes for `mnjax.functions`' collectives: ChainerMN's ``allgather``, ``gather``,
-``scatter`` and ``alltoall`` with a different shape on each rank (gatherv, scatterv).
-
-A step's shapes are static, so every rank names every part's shape (the ``shapes`` table,
-the same on every rank; `scatter` reads it from its parts). Each part travels flattened and
-padded to the table's largest part, through the equal-shape collective; the table is part of
-the exchange's label, so ranks that pass different tables are refused on every rank by the
-pre-flight check before anything moves, and a rank whose array is not its entry of the table
-is refused there too. The padding costs bandwidth (``comm.size`` x the largest part), never
-results: the gradient of a padded slot is zero and is dropped.
-"""
+"""Per-rank shapes for `mnjax.functions`' collectives: parts padded to the largest one."""
 
 from __future__ import annotations
 
@@ -46,9 +36,7 @@ def shape_of(shape: Any, caller: str, where: str) -> Shape:
 
 
 def table(shapes: Any, size: int, caller: str, *, square: bool = False) -> tuple:
-  """`shapes` checked: ``size`` shapes (rank i's at i), or with `square` a ``size`` x
-  ``size`` table (``[i][j]``: what rank i sends to rank j). Raises at once: every rank
-  passes the same table, else the pre-flight check refuses the step (`label`).
+  """`shapes` checked: ``size`` shapes, or with `square` ``size`` rows of ``size`` shapes.
 
   Example:
     >>> table([(2,), [3]], 2, "allgather")
@@ -71,8 +59,7 @@ def table(shapes: Any, size: int, caller: str, *, square: bool = False) -> tuple
 
 
 def part(x: Any, caller: str, name: str = "x", *, like: bool = False) -> Any:
-  """`x` as an array MPI can move; unlike a whole payload it may be empty. With `like`, a
-  ``jax.ShapeDtypeStruct`` stands for a part another rank holds (`scatter`'s non-roots).
+  """`x` as an array MPI can move, maybe empty; `like`: a ``jax.ShapeDtypeStruct`` is allowed.
 
   Example:
     >>> part(jnp.zeros((0, 3)), "allgather").shape

@@ -1,9 +1,4 @@
-"""Differentiable point-to-point exchanges inside a jitted step: ChainerMN's send and recv.
-
-``send`` returns a *delegate*, a scalar standing for what was sent: differentiating through
-it receives the sent array's gradient from the peer. ``recv``'s gradient goes back to the
-sender. `pseudo_connect` makes a delegate part of a loss computed from other values.
-"""
+"""Differentiable point-to-point exchanges inside a jitted step: ChainerMN's send and recv."""
 
 from __future__ import annotations
 
@@ -23,20 +18,10 @@ __all__ = ["pseudo_connect", "recv", "send"]
 
 
 def send(x: Any, comm: Communicator, dest: int) -> jax.Array:
-  """Sends `x` to rank `dest` of `comm`; returns the delegate, a float32 zero scalar that
-  depends on `x`.
+  """Sends `x` to rank `dest`; returns its delegate, a float32 zero scalar that depends on `x`.
 
-  Differentiating through the delegate receives `x`'s gradient from `dest`. Use it as the
-  loss of a rank whose output leaves it, or join it to a loss with `pseudo_connect`. Call
-  inside ``jax.jit`` (or `mnjax.functions.jit`); kind ``flat`` on CPU devices.
-
-  Args:
-    x: the array to send (float, integer or bool; integer ones have no gradient).
-    comm: the ``flat`` `Communicator` whose ranks `dest` counts.
-    dest: the receiving rank (not this one), whose `recv` names this rank as `source`.
-
-  Returns:
-    The delegate: ``jnp.float32`` zero, shape ``()``.
+  Differentiating through the delegate receives `x`'s gradient from `dest`: use it as the
+  loss of a rank whose output leaves it, or join it to a loss with `pseudo_connect`.
 
   Example:
     >>> step = jax.jit(lambda x: mnjax.functions.send(x, comm, 1))
@@ -54,17 +39,7 @@ def send(x: Any, comm: Communicator, dest: int) -> jax.Array:
 
 
 def recv(comm: Communicator, source: int, like: Any) -> jax.Array:
-  """The array rank `source` of `comm` sends (`send`), of `like`'s shape and dtype.
-
-  Differentiated, its gradient goes back to `source`, where `send`'s delegate receives it.
-
-  Args:
-    comm: the ``flat`` `Communicator` whose ranks `source` counts.
-    source: the sending rank (not this one).
-    like: an array or ``jax.ShapeDtypeStruct`` of the sender's ``x``'s shape and dtype.
-
-  Returns:
-    The received array.
+  """The array rank `source` sends, of `like`'s shape and dtype; its gradient goes back there.
 
   Example:
     >>> like = jax.ShapeDtypeStruct((3,), jnp.float32)
@@ -83,17 +58,9 @@ def recv(comm: Communicator, source: int, like: Any) -> jax.Array:
 
 
 def pseudo_connect(delegate: jax.Array, *xs: Any) -> Any:
-  """`xs` unchanged, with `delegate` made part of whatever is computed from them.
+  """`xs` unchanged (one array, or a tuple), with `delegate` made part of what they compute.
 
-  ChainerMN's ``pseudo_connect``: differentiating through the result also runs `delegate`'s
-  backward (with a zero cotangent); `xs`' cotangents pass through.
-
-  Args:
-    delegate: a scalar, usually `send`'s result.
-    *xs: arrays (at least one).
-
-  Returns:
-    The single array for one `xs`, else a tuple.
+  ChainerMN's: differentiating through the result also runs `delegate`'s backward.
 
   Example:
     >>> delegate = jnp.zeros(())                      # e.g. send(h, comm, 1)
@@ -126,7 +93,7 @@ _connect.defvjp(_connect_fwd, _connect_bwd)
 
 
 def _send(comm, dest, label, phase, x, after):
-  """One send of `x` to `dest`: the delegate (a zero scalar once sent)."""
+  """One send of `x` to `dest`; returns the delegate."""
   done = issue("send", comm, x, after, shape=(1,), dtype=jnp.float32, wire=x.dtype,
                count=x.size, label=label, note=("send", dest, phase, x.shape, str(x.dtype)),
                peer=dest, tag=0)

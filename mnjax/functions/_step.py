@@ -1,10 +1,4 @@
-"""`jit`: a model-parallel step checked across ranks when it is traced.
-
-``mnjax.data_parallel(fn, comm, batch_argnums=(), check_program=False)``: its trace records
-the step's exchanges and collectives and checks that they pair up across the ranks of
-`comm` (`mnjax.guard._pairing`). Use it for a rank whose step exchanges nothing and for a
-step with `mnjax.SyncBatchNorm`.
-"""
+"""`jit`: a model-parallel step whose exchanges are checked across ranks when it is traced."""
 
 from __future__ import annotations
 
@@ -20,25 +14,12 @@ __all__ = ["jit"]
 
 
 def jit(fn: Callable[..., Any], comm: Communicator) -> Callable[..., Any]:
-  """``jax.jit(fn)`` for a step of a model-parallel program, checked over `comm` once per
-  trace; unlike plain ``jax.jit`` it also joins the check on a rank whose step exchanges
-  nothing, and admits `mnjax.SyncBatchNorm`.
+  """``jax.jit(fn)`` for a model-parallel step, checked over `comm` once per trace.
 
-  Before the compiled step first runs, the ranks check that their exchanges pair up (each
-  send meets a recv on its peer with the same shape and dtype, in the same order); else
-  every rank raises the same `mnjax.functions.ExchangeError`. Collective over
-  ``comm.mpi_comm``: every rank must call its step.
-
-  Args:
-    fn: the step; may call `mnjax.functions` (forward and under ``jax.grad``),
-      `mnjax.allreduce_gradients` (also over a sub-communicator: its buckets name their
-      ranks, so data x model parallelism pairs in one step) and `mnjax.SyncBatchNorm` over
-      `comm` (its collectives read as ones over every rank of `comm`).
-    comm: the ``flat`` `Communicator` the check runs over: one holding every rank the step
-      exchanges with (usually the whole job's).
-
-  Returns:
-    The jitted step.
+  Before the step first runs, the ranks check that their exchanges pair up (else every rank
+  raises `mnjax.functions.ExchangeError`); unlike plain ``jax.jit``, also on a rank whose step
+  exchanges nothing. `comm`: a ``flat`` `Communicator` holding every rank the step exchanges
+  with. `fn` may also call `mnjax.SyncBatchNorm` and `mnjax.allreduce_gradients`.
 
   Example:
     >>> step = mnjax.functions.jit(lambda x: mnjax.functions.allgather(x, comm), comm)

@@ -1,13 +1,4 @@
-"""The pairing check of a step traced under plain ``jax.jit``: recorded while traced, run when
-lowered.
-
-The exchanges of a step traced outside `mnjax.functions.jit`'s recording note themselves in
-a `StepCheck`, one per outermost trace, which each exchange carries as a primitive
-parameter. The first exchange lowered runs the check over the whole sequence
-(`mnjax.guard._preflight.check_collective_sequence`), collective over the communicator
-the exchanges use, before the step runs; a failure is raised again at every later
-lowering. A sequence the ranks agreed on is not checked again on a retrace (`_AGREED`).
-"""
+"""The pairing check of a step under plain ``jax.jit``: recorded while traced, run when lowered."""
 
 from __future__ import annotations
 
@@ -38,9 +29,7 @@ _AGREED_LOCK = threading.Lock()
 
 
 class StepCheck:
-  """The exchanges one outermost trace issued, and their check (run once, when lowered).
-
-  Hashed by identity: it is a parameter of the exchange primitive.
+  """The exchanges one outermost trace issued, and their check; hashed by identity.
 
   Example:
     >>> check = StepCheck()
@@ -65,7 +54,7 @@ class StepCheck:
       self.comms.append(comm)
 
   def join(self, comm: Communicator) -> None:
-    """Makes the check run over `comm` too, with no entry (a rank with nothing to exchange)."""
+    """Makes the check run over `comm` too, with no entry."""
     if all(c is not comm for c in self.comms):
       self.comms.append(comm)
 
@@ -90,9 +79,7 @@ class StepCheck:
       self._passed = True
 
   def _over(self) -> Communicator:
-    """The largest communicator used (ties: the lowest world ranks, then the lowest `uid`,
-    the same on every rank whatever order it used them in), if it holds the ranks of every
-    other one; else `ExchangeError`."""
+    """The largest communicator used if it holds every other one's ranks, else `ExchangeError`."""
     groups = [(c, set(pairing.world_ranks(c.mpi_comm))) for c in self.comms]
     for comm, group in sorted(groups, key=lambda cg: (-len(cg[1]), sorted(cg[1]), cg[0].uid)):
       if all(other <= group for _, other in groups):
@@ -115,7 +102,7 @@ _CURRENT = _Current()
 
 
 def current() -> StepCheck:
-  """The `StepCheck` of the outermost trace being traced now, or the one `ambient` holds.
+  """The `StepCheck` of the outermost trace now traced, or the one `ambient` holds.
 
   Example:
     >>> def step(x):
@@ -135,7 +122,7 @@ def current() -> StepCheck:
 
 
 def _new_check(top) -> StepCheck:
-  """A new `StepCheck` for `top`; it starts with a refusal under ``jax.grad(jax.jit(f))``."""
+  """A new `StepCheck` for `top`; refused under ``jax.grad(jax.jit(f))``."""
   info = getattr(getattr(top, "frame", None), "debug_info", None)
   check = StepCheck(step="" if info is None else str(info.func_src_info))
   outer = traced_for()
@@ -146,8 +133,7 @@ def _new_check(top) -> StepCheck:
 
 @contextlib.contextmanager
 def ambient() -> Iterator[None]:
-  """Makes `current` answer the caller's `StepCheck` while the block runs (JAX traces a
-  ``custom_vjp``'s function without a parent trace).
+  """Makes `current` answer the caller's `StepCheck` in the block (for a ``custom_vjp``'s trace).
 
   Example:
     >>> with ambient():

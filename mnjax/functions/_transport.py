@@ -1,11 +1,4 @@
-"""The one place where `mnjax.functions` issues an MPI exchange inside a traced step.
-
-`issue` notes the exchange in the step's collective sequence (`mnjax.functions.jit`'s
-recording, or the step's `StepCheck` under plain ``jax.jit``) and binds `exchange_p`, which
-lowers to a side-effecting custom call of mnjax's CPU handlers with an ``after`` operand
-that orders it after the previous exchange. Its JAX effect (`ExchangeEffect`) keeps an
-exchange whose result nothing uses. CPU devices only. A hook (a timeline) wraps `issue`.
-"""
+"""`issue`: where `mnjax.functions` notes and binds an MPI exchange inside a traced step."""
 
 from __future__ import annotations
 
@@ -96,9 +89,9 @@ def peer_world(comm: Communicator, rank: int) -> int:
 def issue(exchange: str, comm: Communicator, payload: Any, after: Any, *, shape: tuple,
           dtype: Any, count: int, label: str, note: tuple, wire: Any = None,
           **attrs: int) -> Any:
-  """Notes and binds one exchange: `exchange` (a key of `_TARGETS`) of `payload` (None for a
-  receive), after `after`; the result has `shape` and `dtype`, messages carry `wire` items.
-  `count`: items per message (per rank); `note`: ``(kind, peer, phase, shape, dtype)``.
+  """Notes and binds one exchange of `payload` (None for a receive), after `after`.
+
+  `count`: items per message; `note`: ``(kind, peer, phase, shape, dtype)``.
 
   Example:
     >>> def gathered(x):                                          # a size-1 allgather
@@ -129,8 +122,7 @@ def issue(exchange: str, comm: Communicator, payload: Any, after: Any, *, shape:
 
 
 def record(comm: Communicator, what: str, shape: Any, dtype: Any) -> trace_check.StepCheck | None:
-  """Notes one sequence entry: in `mnjax.functions.jit`'s recording (returns None), else in
-  the plain ``jax.jit`` step's `StepCheck` (returned, for the primitive to carry).
+  """Notes one sequence entry; returns the plain ``jax.jit`` step's `StepCheck`, or None.
 
   Example:
     >>> record(comm, "mnjax.functions.send <mnjax.functions send peer=1 phase=forward"
@@ -170,7 +162,7 @@ def dry() -> Iterator[None]:
 
 
 def check_only(check: trace_check.StepCheck | None) -> None:
-  """Makes the step's lowering run `check` when a refused call issues no exchange.
+  """Makes the step's lowering run `check` (a refused call issues no exchange).
 
   Example:
     >>> check_only(None)
@@ -180,10 +172,7 @@ def check_only(check: trace_check.StepCheck | None) -> None:
 
 
 def take_part(comm: Communicator) -> None:
-  """Makes this rank's plain ``jax.jit`` step take part in the pairing check over `comm`
-  although it exchanges nothing (a `MultiNodeChain` rank that holds no stage), so that the
-  ranks that do exchange are not left waiting in the check for it. Nothing eagerly or under
-  `mnjax.functions.jit`, whose check every rank of its communicator joins.
+  """Makes a plain ``jax.jit`` step that exchanges nothing join the pairing check over `comm`.
 
   Example:
     >>> take_part(comm)   # outside any traced step: nothing to do
@@ -232,7 +221,7 @@ def _no_differentiation(*args, **kwargs):
 
 
 def _eager(*operands, target="a refused call", **params):
-  """Evaluation outside any staging trace (e.g. an eager jax.grad): refused, as in `issue`."""
+  """Evaluation outside any staging trace: refused, as in `issue`."""
   del operands, params
   raise RuntimeError(OUTSIDE.format(label=f"mnjax.functions ({target})"))
 

@@ -1,13 +1,10 @@
 """Guards: turn a would-be hang or a silent wrong result into a clear error on every rank.
 
-* `check_same_on_all_ranks`: the pre-flight check — one small allgather, under a timeout,
-  before a collective whose operands must agree (tree structure, shapes, dtypes).
+* `check_same_on_all_ranks`: the pre-flight check that a collective's operands agree.
 * `check_replicas` / `fingerprints`: are the replicas still bitwise identical?
 * `Watchdog`: a background thread that names a stalled rank and aborts the job.
-* `Timeline`: every collective of every rank as one Chrome/Perfetto trace, with the
-  straggler report (``MNJAX_TIMELINE=path`` in the train loop).
-* `rank_dependent`: a scope whose constants may differ per rank (the program check of
-  `mnjax.data_parallel` compares the rest of the step across ranks).
+* `Timeline`: every rank's collectives as one Chrome/Perfetto trace, and a straggler report.
+* `rank_dependent`: a scope whose constants may differ per rank in the program check.
 
 Example::
 

@@ -1,10 +1,4 @@
-"""Replica consensus: are the parameters still bitwise identical on every replica?
-
-`check_replicas` fingerprints every leaf on every replica (each local device's copy too, with
-`mnjax.comm._host._digest`'s digests) and compares them with one small host allgather; a
-mismatch raises the same error on every rank, naming the leaves and ranks. It costs a host
-hash pass over the tree: run it every few hundred steps.
-"""
+"""Replica consensus: are the parameters still bitwise identical? (docs/design/failures.md)"""
 
 from __future__ import annotations
 
@@ -42,12 +36,8 @@ def fingerprints(tree: Any) -> dict[str, list[str]]:
 def check_replicas(tree: Any, comm: Communicator, *, what: str = "parameters") -> None:
   """Raises `ValueError` on every rank unless `tree` is bitwise identical on all replicas.
 
-  Collective: call it on every rank at the same point, between steps.
-
-  Args:
-    tree: the pytree that must agree (not `mnjax.shard_optimizer`'s state: refused).
-    comm: the `Communicator`.
-    what: its name, for the message.
+  Collective, between steps; one host hash pass and a small allgather. `tree` must not hold
+  `mnjax.shard_optimizer`'s state (refused); `what` names it in the message.
 
   Example:
     >>> params = {"w": jnp.zeros(3)}

@@ -1,15 +1,7 @@
 """The pre-flight check of a model-parallel step: do every rank's sends and receives pair up?
 
-A model-parallel step is not SPMD, so instead of equal sequences the ranks' sequences must
-complete when run against each other. `check_exchanges` runs them (`_Run`) with MPI's
-strictest semantics: a send completes only when its peer's next exchange is the matching
-receive (same shape, dtype and direction), a collective only when every member's next
-exchange is that collective; an accepted step cannot deadlock. Entries carry a tag that
-`entry` writes and `parse` reads (``<mnjax.functions send peer=1 phase=forward group=0,1>``,
-world ranks); untagged entries are collectives over every rank. A call refused while traced
-notes a ``refused`` entry, so that every rank raises it together here. Design:
-docs/design/functions.md, "The pairing check".
-"""
+`check_exchanges` runs the ranks' sequences against each other with MPI's strictest semantics,
+so an accepted step cannot deadlock. Design: docs/design/functions.md, "The pairing check"."""
 
 from __future__ import annotations
 
@@ -73,7 +65,6 @@ def involved(everyone: list[tuple]) -> bool:
 def check_exchanges(everyone: list[tuple], mpi_comm: MPI.Comm | None, *, caller: str,
                     world: tuple[int, ...] | None = None) -> None:
   """Raises `ExchangeError` (on every rank) unless the sequences complete against each other.
-
   ``everyone[r]`` is rank ``r``'s; `world` gives each one's ``MPI.COMM_WORLD`` rank.
 
   Example:

@@ -1,12 +1,8 @@
-"""Pre-flight: every rank checks that all ranks are about to exchange the same thing.
+"""Pre-flight, at trace time: are all ranks about to exchange the same thing?
 
-MPI only sees bytes: a ``(64, 10)`` and a ``(10, 64)`` leaf sum without an error, and an extra
-leaf hangs. `check_same_on_all_ranks` compares a *signature* (tree structure, each leaf's
-path, shape and dtype: `tree_signature`; the options that decide the wire layout) with one
-hash allgather, when the step is traced, and raises the same `ValueError` on every rank
-before any collective. `check_collective_sequence` compares the step's whole sequence of
-in-step collectives (noted inside `recording`) the same way, once per agreed sequence.
-"""
+MPI only sees bytes: a ``(64, 10)`` and a ``(10, 64)`` leaf sum silently, an extra leaf hangs.
+`check_same_on_all_ranks` compares signatures, `check_collective_sequence` the in-step
+collectives (docs/design/failures.md)."""
 
 from __future__ import annotations
 
@@ -37,7 +33,6 @@ def check_same_on_all_ranks(comm: Communicator, what: str, signature: Any, *,
   signatures travel only on a mismatch.
 
   Args:
-    comm: the `Communicator`.
     what: what is compared, for the message (e.g. ``"the gradient tree"``).
     signature: ``{"options": {...}, "tree": tree_signature(...)}`` or any picklable value
       whose ``repr`` is deterministic.
@@ -129,13 +124,10 @@ _EXCHANGES_LATE = (
 def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,
                               agreed: set | None = None,
                               timeout: float = DEFAULT_TIMEOUT) -> None:
-  """Raises `ValueError` on every rank unless every rank traced the same in-step
-  collectives (`recording`), in the same order, with the same shapes and dtypes.
-
-  Collective over ``comm.mpi_comm``, except for a `sequence` already in `agreed` (then added
-  to it). Sequences holding `mnjax.functions` exchanges must pair up instead
-  (`mnjax.guard._pairing.check_exchanges`). An empty sequence is compared too; a rank that
-  never comes is a `TimeoutError` after `timeout` s.
+  """Raises `ValueError` on every rank unless every rank traced the same in-step collectives
+  (`recording`) in the same order, with the same shapes and dtypes (`mnjax.functions`
+  exchanges must pair up instead). Collective unless `sequence` is in `agreed` (where it goes
+  once agreed); a rank that never comes is a `TimeoutError` after `timeout` s.
 
   Example:
     >>> check_collective_sequence(comm, [("SyncBatchNorm layer BatchNorm_0", (3, 16),

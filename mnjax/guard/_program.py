@@ -1,13 +1,8 @@
 """The step's program, compared across ranks: every rank must run the same computation.
 
-`program_of` turns the step's jaxpr into a canonical text: every operation in order with its
-parameters, every literal and constant by value, every argument by shape and dtype only,
-nested programs inline; MPI handles, addresses and source locations are left out.
-`check_same_program` allgathers a 16-byte hash of it once per trace; only on a mismatch do
-the programs travel, and every rank raises the same `ValueError` naming the first difference
-and its source. Operations inside `rank_dependent` are compared by operation and shapes only.
-`user_collectives` finds collectives over the communicator's axis that mnjax did not write.
-"""
+`program_of` makes a jaxpr canonical (arguments by shape and dtype; MPI handles, addresses and
+sources left out), `check_same_program` compares its hash once per trace, `user_collectives`
+finds collectives mnjax did not write. Design: docs/design/failures.md, "The program check"."""
 
 from __future__ import annotations
 
@@ -37,10 +32,8 @@ RANK_DEPENDENT_SCOPE = "mnjax_rank_dependent"
 
 
 def rank_dependent():
-  """A scope whose operations may differ per rank in their constants.
-
-  The program check compares them by operation and shapes only; an array closed over stays
-  a compared constant (pass it as an argument instead).
+  """A scope whose operations may differ per rank in their constants (compared by operation
+  and shapes only); an array closed over is still compared: pass it as an argument.
 
   Example:
     >>> def step(x):
@@ -81,12 +74,8 @@ class Program(NamedTuple):
 
 def program_of(closed: jcore.ClosedJaxpr, arg_paths: list[str] | None = None, *,
                sources: bool = False) -> Program:
-  """The canonical `Program` of a closed jaxpr (`jax.make_jaxpr`'s result).
-
-  Args:
-    closed: the jaxpr.
-    arg_paths: a name per input (e.g. ``"argument 1 ['images']"``), for messages.
-    sources: also fill `Program.where` (slower: read only to write a message).
+  """The canonical `Program` of a closed jaxpr (`jax.make_jaxpr`'s result). For messages:
+  `arg_paths` names each input (``"argument 1 ['images']"``), `sources` fills `Program.where`.
 
   Example:
     >>> closed = jax.make_jaxpr(lambda x: x * 0.5 + 1.0)(jnp.ones(3))
@@ -271,7 +260,6 @@ def check_same_program(comm: Communicator, closed: jcore.ClosedJaxpr, *, caller:
                        what: str = "the step", arg_paths: list[str] | None = None,
                        fix: str = "") -> None:
   """Raises the same `ValueError` on every rank unless every rank traced an equal program.
-
   Collective: one allgather of a hash; the programs travel only on a mismatch.
 
   Example:
@@ -358,9 +346,8 @@ _AXIS_PARAMS = {"psum": "axes", "pmax": "axes", "pmin": "axes", "all_gather": "a
 
 def user_collectives(closed: jcore.ClosedJaxpr, axis_name: str, *,
                      allowed_scope: str) -> list[str]:
-  """Collectives over `axis_name` that user code (not mnjax) traced, each with its source.
-
-  Those inside ``jax.named_scope(allowed_scope)`` are left out.
+  """Collectives over `axis_name` that user code (not mnjax) traced outside the
+  ``jax.named_scope(allowed_scope)``, each with its source.
 
   Example:
     >>> closed = jax.make_jaxpr(lambda x: jax.lax.psum(x, "i"), axis_env=[("i", 2)])(1.0)

@@ -1,12 +1,7 @@
 """Stall watchdog: ranks that stop reaching the same step are reported, then the job aborts.
 
-`Watchdog` runs a background thread on every rank. The loop calls ``watchdog.step(n)``; every
-``interval`` seconds each rank sends its step and its counts of in-step collectives entered
-and completed to rank 0 over a private communicator, and rank 0 answers with a heartbeat.
-A rank blocked in a collective, late to a step, silent, or waiting for a rank that has
-finished is reported, naming the ranks, and every rank aborts. Creating one is collective;
-stopping is local and tells the peers.
-"""
+Each rank's thread sends rank 0 its step and in-step collective counts every ``interval`` s
+over a private communicator; rank 0 answers with a heartbeat (docs/design/failures.md)."""
 
 from __future__ import annotations
 
@@ -33,17 +28,15 @@ FINISHED_GRACE = 5.0
 
 
 class Watchdog:
-  """Reports ranks that fall behind or go silent, then aborts every rank.
+  """Reports ranks that fall behind or go silent, then aborts every rank (collective to create).
 
   Args:
-    comm: the `Communicator`.
     timeout: seconds a rank may take to reach a step after the first rank reached it (the
       skew between ranks, not the length of a step or a compilation).
     heartbeat_timeout: seconds without any message from a rank (or, on the others, from
       rank 0) before it counts as dead.
     interval: seconds between heartbeats.
-    on_stall: called with the report instead of aborting (default: print it and
-      ``MPI_Abort``, through `mnjax.comm.abort`).
+    on_stall: called with the report instead of `mnjax.comm.abort` (print, ``MPI_Abort``).
 
   Example:
     >>> state = 0
@@ -209,9 +202,7 @@ class _JobView:
   def waiting_for_finished(self, now: float, finished: dict[int, np.ndarray], timeout: float,
                            names: dict[int, int] | None = None) -> str:
     """A report if a running rank waits for a rank in `finished` that can never join; ''.
-
-    `names` maps this view's indices to the ranks they are (default: the same).
-    """
+    `names` maps this view's indices to ranks (default: the same)."""
     names = names or {}
     out = []
     for r in range(len(self.steps)):

@@ -1,14 +1,10 @@
 """Model parallelism: a model whose stages live on different ranks, and GPipe over them.
 
-* `MultiNodeChain`: ChainerMN's ``MultiNodeChainList`` as a chain of flax modules placed
-  on ranks, exchanging activations through `mnjax.functions`; ``micro_batches=M`` runs
-  GPipe. Checkpoint each rank's stages with `mnjax.checkpoint.PerRankState`.
-* `MultiNodeNStepRNN`: ChainerMN's ``create_multi_node_n_step_rnn``, a stack of ``nn.RNN``
-  layers whose carries come from and go to other ranks.
-* `ChannelParallelConv`: ChainerMN's channel-parallel convolution; `join_slices`,
-  `slice_grads`.
-* The schedule, pure Python: `gpipe`, `programs`, `simulate`, `bubble_fraction`,
-  `idle_fraction`.
+* `MultiNodeChain`: ChainerMN's ``MultiNodeChainList``, flax modules placed on ranks;
+  ``micro_batches=M`` runs GPipe. Checkpoint with `mnjax.checkpoint.PerRankState`.
+* `MultiNodeNStepRNN`: ChainerMN's multi-node N-step RNN, carries passed between ranks.
+* `ChannelParallelConv`: channel-parallel convolution; `join_slices`, `slice_grads`.
+* The schedule: `gpipe`, `programs`, `simulate`, `bubble_fraction`, `idle_fraction`.
 
 Example::
 

@@ -1,12 +1,4 @@
-"""A model whose stages live on different ranks: ChainerMN's ``MultiNodeChainList`` as a
-functional graph of flax modules, with GPipe micro-batching over a chain of them.
-
-Every rank builds the same `MultiNodeChain` (all ``(module, rank[, inputs])`` stages) and
-runs only its own stages in its jitted step, passing activations (any pytree of arrays)
-with `mnjax.functions.send` / ``recv``; ``jax.grad`` of `loss` on every rank runs the
-backward. ``micro_batches=M`` runs GPipe (`mnjax.model_parallel._schedule.programs`).
-Design: docs/design/model_parallel.md.
-"""
+"""`MultiNodeChain`: ChainerMN's ``MultiNodeChainList`` (docs/design/model_parallel.md)."""
 
 from __future__ import annotations
 
@@ -31,16 +23,14 @@ def _key(stage: int) -> str:
 
 
 def _arguments(values: Sequence[Any]) -> tuple[Any, ...]:
-  """A stage's positional arguments: its inputs, a single tuple input unpacked (as
-  ChainerMN's ``MultiNodeChainList`` calls ``link(*x)``)."""
+  """A stage's positional arguments: its inputs, a single tuple unpacked (``link(*x)``)."""
   if len(values) == 1 and isinstance(values[0], tuple):
     return tuple(values[0])
   return tuple(values)
 
 
 def _stage_inputs(s: int, stage: Any) -> tuple[int | None, ...]:
-  """Stage s's inputs: its third element (an earlier stage, None for the model's input, or
-  a tuple of them), by default the previous stage's output (the model's input for stage 0)."""
+  """Stage s's inputs: its third element, else the previous stage (None: the model's input)."""
   if len(stage) == 2:
     return (s - 1 if s else None,)
   inputs = stage[2]
@@ -58,8 +48,7 @@ def _stage_inputs(s: int, stage: Any) -> tuple[int | None, ...]:
 
 
 class _Op(NamedTuple):
-  """One step of a rank's forward: ``run`` stage `stage`, or ``send``/``recv`` stage
-  `stage`'s output to/from the rank of stage `to`, for micro-batch `micro`."""
+  """``run`` stage `stage`, or ``send``/``recv`` its output to/from stage `to`'s rank."""
   kind: str
   stage: int
   to: int
@@ -67,7 +56,7 @@ class _Op(NamedTuple):
 
 
 class MultiNodeChain:
-  """A graph of flax modules placed on ranks; every rank builds the same one.
+  """A graph of flax modules placed on ranks; every rank builds the same one, runs its own.
 
   Args:
     comm: the `Communicator` the stages' ranks are ranks of (``flat``: one device per
@@ -165,9 +154,7 @@ class MultiNodeChain:
       self._ops = self._in_order()
 
   def _in_order(self) -> list[_Op]:
-    """This rank's forward, one micro-batch: every message at its consumer's place in the
-    stage order (sends to stage s and receives for it, by producer, just before s runs),
-    the same total order on every rank, so blocking sends cannot deadlock."""
+    """This rank's forward: each message just before its consumer, one order on every rank."""
     me, ops = self.comm.rank, []
     for s, inputs in enumerate(self.stage_inputs):
       for p in dict.fromkeys(i for i in inputs if i is not None):
@@ -181,8 +168,7 @@ class MultiNodeChain:
     return ops
 
   def _piped(self, program: Sequence[schedule.Action]) -> list[_Op]:
-    """This rank's GPipe forward over a chain: each forward action with its receive before
-    and its send after (the order `schedule.simulate` checked)."""
+    """This rank's GPipe forward: each forward action between its receive and its send."""
     ranks, last, ops = self.stage_ranks, len(self.stage_ranks) - 1, []
     for action in program:
       if action.kind != "F":
@@ -222,8 +208,7 @@ class MultiNodeChain:
             for s in stages}
 
   def init(self, rng: jax.Array, x: Any) -> dict[str, Any]:
-    """This rank's stages' variables, ``{"stage_<s>": module.init(fold_in(rng, s), ...)}``
-    (no message; `x`: the batch, or `jax.ShapeDtypeStruct` s like it)."""
+    """This rank's stages' variables, ``{"stage_<s>": ...}``; `x` may be shapes. No message."""
     return self._init(rng, x, self.own_stages)
 
   def init_all(self, rng: jax.Array, x: Any) -> dict[str, Any]:
@@ -231,7 +216,7 @@ class MultiNodeChain:
     return self._init(rng, x, range(len(self.modules)))
 
   def apply_all(self, params: dict[str, Any], x: Any) -> Any:
-    """The whole model in one process (`init_all`'s parameters): the reference."""
+    """The whole model in one process, with `init_all`'s parameters."""
     outputs: list[Any] = []
     for s, (module, inputs) in enumerate(zip(self.modules, self.stage_inputs, strict=True)):
       args = _arguments([x if i is None else outputs[i] for i in inputs])
@@ -293,24 +278,19 @@ class MultiNodeChain:
     return jax.tree.map(split, x)
 
   def apply(self, params: dict[str, Any], x: Any) -> Any:
-    """The forward on every rank (inside its jitted step): the model's output on
-    `output_rank`, a delegate scalar elsewhere (its gradient runs this rank's backward).
-    Micro-batched as `loss` is."""
+    """The forward, in the jitted step: the output on `output_rank`, a delegate elsewhere."""
     return self._run(params, self._split(x, "batch"), None, None, self.micro_batches)
 
   def loss(self, params: dict[str, Any], x: Any, target: Any,
            loss_fn: Callable[[Any, Any], jax.Array]) -> jax.Array:
-    """``loss_fn(output, target)`` on `output_rank` (the mean over micro-batches), a
-    delegate elsewhere; ``jax.grad(chain.loss)(params, x, y, loss_fn)`` on every rank is
-    this rank's stages' gradient."""
+    """``loss_fn(output, target)`` on `output_rank` (mean over micro-batches), else a delegate."""
     return self._run(params, self._split(x, "batch"), self._split(target, "target"), loss_fn,
                      self.micro_batches)
 
   def optimizer(self, tx: optax.GradientTransformation
                 | Sequence[optax.GradientTransformation], *, every_stage: bool = False
                 ) -> optax.GradientTransformation:
-    """An optax transformation for this rank's parameters that runs `tx` (or ``tx[s]``,
-    one per stage) on each stage's own; `every_stage`: over `init_all`'s parameters."""
+    """Runs `tx` (or ``tx[s]``) on each of this rank's stages (`every_stage`: all stages)."""
     single = isinstance(tx, optax.GradientTransformation)  # a NamedTuple: test it first
     txs = [tx] * len(self.modules) if single else list(tx)
     if len(txs) != len(self.modules):

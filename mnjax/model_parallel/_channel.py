@@ -1,11 +1,4 @@
-"""A convolution whose output channels are split over the ranks: ChainerMN's channel-parallel
-convolution as a flax module.
-
-Each rank holds ``features // comm.size`` consecutive output channels, convolves the whole
-input with them, and `mnjax.functions.allgather` joins the slices in rank order: the same
-as one ``nn.Conv`` whose kernel is the slices concatenated (`join_slices`). `slice_grads`
-divides the allgather's summed gradient back to this rank's slice. ``init`` sends nothing.
-"""
+"""`ChannelParallelConv`: ChainerMN's channel-parallel convolution as a flax module."""
 
 from __future__ import annotations
 
@@ -21,8 +14,9 @@ __all__ = ["ChannelParallelConv", "join_slices", "slice_grads"]
 
 
 class ChannelParallelConv(nn.Module):
-  """``nn.Conv(features, kernel_size)`` with this rank's ``features // comm.size`` output
-  channels (``features`` must divide by ``comm.size``); the output is every rank's, joined.
+  """``nn.Conv`` with this rank's ``features // comm.size`` output channels; returns them all.
+
+  Joined by `mnjax.functions.allgather` in rank order; ``init`` sends nothing.
 
   Example:
     >>> conv = mnjax.model_parallel.ChannelParallelConv(comm, features=4, kernel_size=(3, 3))
@@ -56,8 +50,7 @@ class ChannelParallelConv(nn.Module):
 
 
 def join_slices(slices: list[Any]) -> Any:
-  """The single-process ``nn.Conv`` parameters of every rank's `ChannelParallelConv`
-  parameters (``slices[rank]``, e.g. from a host allgather): the output channels joined.
+  """The ``nn.Conv`` parameters of every rank's `ChannelParallelConv` ones (``slices[rank]``).
 
   Example:
     >>> part = {"slice": {"kernel": jnp.ones((3, 3, 1, 2)), "bias": jnp.zeros(2)}}
@@ -68,9 +61,7 @@ def join_slices(slices: list[Any]) -> Any:
 
 
 def slice_grads(grads: Any, comm: Communicator) -> Any:
-  """A `ChannelParallelConv`'s gradient, as the allgather's backward gives it on a loss that
-  every rank computes (the sum over ranks), divided by ``comm.size``: this rank's slice of
-  the model's gradient.
+  """This rank's slice of the model's gradient: the allgather's summed gradient / ``comm.size``.
 
   Example:
     >>> slice_grads({"slice": {"bias": jnp.full(2, 2.0)}}, comm)["slice"]["bias"].tolist()

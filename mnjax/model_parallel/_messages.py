@@ -1,8 +1,4 @@
-"""Pytrees between ranks inside a step: `mnjax.functions.send` / ``recv`` leaf by leaf, each
-joined to the delegate of the sends before it, so one delegate carries every backward.
-
-Shared by `MultiNodeChain` (activations) and `MultiNodeNStepRNN` (carries).
-"""
+"""Pytrees between ranks inside a step, leaf by leaf; one delegate carries every backward."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ __all__ = ["connected", "recv_tree", "send_tree", "spec"]
 
 
 def _functions() -> Any:
-  """`mnjax.functions`, the in-step transport (imported when a message is traced)."""
+  """`mnjax.functions`, imported when a message is traced."""
   from mnjax import functions  # noqa: PLC0415
   return functions
 
@@ -33,8 +29,7 @@ def spec(x: Any) -> Any:
 
 
 def connected(delegate: Any, tree: Any) -> Any:
-  """`tree`'s float leaves made to depend on `delegate` (`mnjax.functions.pseudo_connect`);
-  `tree` itself without a delegate.
+  """`tree`'s float leaves made to depend on `delegate` (if any).
 
   Example:
     >>> connected(jnp.zeros(()), {"h": jnp.ones(2)})["h"]
@@ -52,9 +47,7 @@ def connected(delegate: Any, tree: Any) -> Any:
 
 
 def send_tree(tree: Any, comm: Communicator, dest: int, delegate: Any = None) -> Any:
-  """Sends `tree` leaf by leaf to `dest`, each after the last send; returns the last
-  delegate, which every earlier one reaches (an integer leaf's send does not carry its
-  input's delegate, so it is joined explicitly).
+  """Sends `tree` leaf by leaf to `dest`; returns the last delegate, joined to every earlier one.
 
   Example:
     >>> send_tree((h, c), comm, 1)            # rank 0 of two; rank 1 recv_tree  # doctest: +SKIP
@@ -66,8 +59,7 @@ def send_tree(tree: Any, comm: Communicator, dest: int, delegate: Any = None) ->
 
 
 def recv_tree(like: Any, comm: Communicator, source: int, delegate: Any = None) -> Any:
-  """A tree like `like` (arrays or `jax.ShapeDtypeStruct` s), leaf by leaf from `source`,
-  each joined to `delegate`.
+  """A tree like `like`, leaf by leaf from `source`, each joined to `delegate`.
 
   Example:
     >>> recv_tree(spec((h, c)), comm, 0)      # rank 1 of two; rank 0 send_tree  # doctest: +SKIP

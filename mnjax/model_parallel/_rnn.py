@@ -1,13 +1,4 @@
-"""An N-step RNN whose states pass between ranks: ChainerMN's
-``create_multi_node_n_step_rnn`` as a flax module.
-
-Each rank runs its own stack of ``nn.RNN`` layers. With ``rank_in``, the layers' initial
-carries are the final carries that rank sends; with ``rank_out``, this rank's final carries
-go to that rank (through `mnjax.functions`, inside the jitted step). An encoder on rank 0
-(``rank_out=1``) and a decoder on rank 1 (``rank_in=0``) is ChainerMN's seq2seq; a chain of
-ranks, each with the next stretch of a sequence, runs one long sequence over them. ``init``
-sends nothing (the carries start from zero there).
-"""
+"""`MultiNodeNStepRNN`: ChainerMN's ``create_multi_node_n_step_rnn`` as a flax module."""
 
 from __future__ import annotations
 
@@ -37,16 +28,11 @@ def _peer(rank: Any, comm: Communicator, name: str) -> None:
 
 
 class MultiNodeNStepRNN(nn.Module):
-  """``layers`` (``nn.RNN`` s, run in order over the sequence) whose initial carries come from
-  rank ``rank_in`` and whose final carries go to rank ``rank_out`` (each None for none).
+  """``nn.RNN`` layers whose initial carries come from `rank_in`, final ones go to `rank_out`.
 
-  ``__call__(xs, seq_lengths=None)`` returns ``(carries, ys, delegate)``: every layer's final
-  carry, the last layer's outputs, and the delegate of the carries sent (None without
-  ``rank_out``), as ChainerMN's link returns its outputs and delegate. Join the delegate to
-  this rank's loss (`mnjax.functions.pseudo_connect`), or make it the loss of a rank with
-  none, so ``jax.grad`` runs the backward that returns the carries' gradient. Carry shapes
-  come from each cell's ``initialize_carry``; both ranks' layers must give the same ones
-  (else the step's pre-flight check refuses it on every rank).
+  ``__call__(xs, seq_lengths=None)`` returns ``(carries, ys, delegate)``; join the delegate
+  (None without `rank_out`) to this rank's loss or make it the loss. ChainerMN's seq2seq:
+  ``rank_out=1`` on rank 0, ``rank_in=0`` on rank 1.
 
   Example:
     >>> rnn = mnjax.model_parallel.MultiNodeNStepRNN(
@@ -73,7 +59,7 @@ class MultiNodeNStepRNN(nn.Module):
     super().__post_init__()
 
   def _carry_specs(self, xs: jax.Array) -> list[Any]:
-    """Each layer's carry shapes for `xs` (``cell.initialize_carry`` of one time step)."""
+    """Each layer's carry shapes for `xs`."""
     specs = []
     for layer in self.layers:
       axis = 0 if layer.time_major else xs.ndim - (layer.cell.num_feature_axes + 1)

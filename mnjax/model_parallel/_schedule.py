@@ -1,11 +1,4 @@
-"""The GPipe schedule over a chain of stages: what each rank runs in which order, whether
-that order can deadlock, and how much of the time the ranks stand idle (the bubble).
-
-Stage s runs forward on micro-batch m in slot ``s + m``, then the backward mirrors it; with
-S equal stages the idle fraction is ``(S - 1) / (M + S - 1)`` (`bubble_fraction`).
-`programs` gives each rank's order, and `simulate` runs the programs with blocking sends,
-returning the executed timetable (`idle_fraction`) or raising `ScheduleError` on a deadlock.
-"""
+"""The GPipe schedule: each rank's order, whether it deadlocks, and the idle time (bubble)."""
 
 from __future__ import annotations
 
@@ -21,8 +14,7 @@ class ScheduleError(ValueError):
 
 
 class Action(NamedTuple):
-  """One unit of pipeline work: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of stage
-  ``stage`` on micro-batch ``micro``."""
+  """``kind`` ``"F"`` (forward) or ``"B"`` (backward) of `stage` on micro-batch `micro`."""
   kind: str
   stage: int
   micro: int
@@ -54,9 +46,9 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
 
 
 def gpipe(stages: int, micro_batches: int) -> list[list[Action | None]]:
-  """The ideal GPipe timetable: ``table[slot][stage]`` is the action stage runs in that slot
-  (None: idle). Forward F(s, m) in slot ``s + m``; backward B(s, m) in slot
-  ``(M + S - 1) + (S - 1 - s) + (M - 1 - m)``; 2(M + S - 1) slots.
+  """The ideal GPipe timetable: ``table[slot][stage]``, an action or None (idle).
+
+  F(s, m) runs in slot ``s + m``; the backward mirrors the forward.
 
   Example:
     >>> [[a and f"{a.kind}{a.micro}" for a in slot] for slot in gpipe(2, 2)]
@@ -89,12 +81,7 @@ def idle_fraction(executed: Sequence[Executed] | Sequence[Sequence[Action | None
 
 
 def programs(stage_ranks: Sequence[int], micro_batches: int) -> dict[int, list[Action]]:
-  """Each rank's actions in the order its step runs them: the forward of its stages in
-  GPipe slot order (a later stage first within a slot), then the backward, reversed.
-
-  Args:
-    stage_ranks: the rank of each stage, in chain order.
-    micro_batches: M.
+  """Each rank's actions, in order: its forwards in GPipe slot order, then backwards, reversed.
 
   Example:
     >>> [f"{a.kind}{a.stage}.{a.micro}" for a in programs([0, 1], 2)[1]]
@@ -128,21 +115,9 @@ def _steps(action: Action, stage_ranks: Sequence[int], cost: float) -> list[tupl
 def simulate(progs: Mapping[int, Sequence[Action]], stage_ranks: Sequence[int], *,
              costs: Mapping[str, Sequence[float]] | None = None,
              eager: bool = False) -> list[Executed]:
-  """Runs `progs` (from `programs`) with blocking point-to-point messages (a send waits for
-  its receive, MPI's rendezvous); messages cost no time.
+  """Runs `progs` with blocking sends (`eager`: buffered); returns the `Executed` actions.
 
-  Args:
-    progs: each rank's actions, in order.
-    stage_ranks: the rank of each stage.
-    costs: ``{"F": [per stage], "B": [per stage]}`` durations (default 1 each).
-    eager: buffered sends.
-
-  Returns:
-    Every action with its rank, start and end, in the order they ran.
-
-  Raises:
-    ScheduleError: the programs deadlock (naming what each blocked rank waits for), or a
-      send meets a receive that expects another message.
+  `costs`: ``{"F": [per stage], "B": [per stage]}`` (default 1). `ScheduleError` on deadlock.
 
   Example:
     >>> run = simulate(programs([0, 1, 2], 6), [0, 1, 2])

@@ -1,12 +1,6 @@
-"""Flax layers that need the communicator.
-
-* `SyncBatchNorm`: a drop-in for `flax.linen.BatchNorm` whose statistics are those of the
-  global batch, over every device of every rank.
-* `create_mnbn_model`: an existing model whose flax ``nn.BatchNorm`` layers run as
-  `SyncBatchNorm`, without editing it (the same variable tree: checkpoints load).
-* `allreduce_persistent`: averages batch statistics (or any float persistent values; integer
-  counters pass through, checked equal) over ranks
-  (a host collective of `mnjax.comm`, exported here too).
+"""Flax layers that need the communicator: `SyncBatchNorm` (global-batch statistics),
+`create_mnbn_model` (a model's BatchNorm layers as `SyncBatchNorm`) and `allreduce_persistent`
+(float persistent values, such as batch statistics, averaged over ranks).
 
 Example::
 

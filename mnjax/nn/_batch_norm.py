@@ -1,16 +1,4 @@
-"""Batch normalization over the global batch: `SyncBatchNorm` (ChainerMN's
-``MultiNodeBatchNormalization``) and `allreduce_persistent` (ChainerMN's
-``AllreducePersistent``).
-
-`SyncBatchNorm` sums each layer's per-feature ``[sum(x), sum(x^2)]`` and its example count
-over every device of every rank in one collective, so forward pass, running statistics and
-gradients equal flax's ``nn.BatchNorm`` on the global batch. The sum is a `jax.custom_vjp`
-whose backward pass is the same sum of the cotangents; each layer's collective is chained
-after the previous one (`mnjax.comm._instep._sequence.ORDER`), and backward in reverse order,
-so every rank issues them in one order (the ``xla`` kind's ``psum`` is left to XLA).
-``momentum=0.0`` keeps the last global minibatch's statistics (Akiba et al.);
-`allreduce_persistent` averages per-rank statistics before evaluation or checkpointing.
-"""
+"""`SyncBatchNorm`: batch normalization over the global batch (docs/design/allreduce.md)."""
 
 from __future__ import annotations
 
@@ -32,15 +20,11 @@ __all__ = ["SyncBatchNorm", "allreduce_persistent"]
 
 
 class SyncBatchNorm(nn.Module):
-  """flax ``nn.BatchNorm`` with statistics over every device of every rank of `comm`.
-
-  A drop-in replacement: the same attributes (after `comm`), call signature, variables and
-  variable paths (``SyncBatchNorm.__name__ == "BatchNorm"``, so flax's automatic names stay
-  ``BatchNorm_0``, ...). ``axis_name`` and ``axis_index_groups`` must stay None. ``init``
-  issues no collective. Statistics are float32 (``force_float32_reductions=True``).
-
-  Call it on every rank, in the same layers, with the same feature shapes; batch sizes may
-  differ. Under `mnjax.data_parallel` that is checked once per trace, on every rank.
+  """flax ``nn.BatchNorm`` with statistics over every device of every rank of `comm` (ChainerMN's
+  ``MultiNodeBatchNormalization``): the same attributes (after `comm`), variables and paths.
+  Call it on every rank in the same layers and feature shapes (batch sizes may differ), inside
+  `mnjax.data_parallel`. ``init`` issues no collective. Raises ValueError with ``axis_name``,
+  ``axis_index_groups`` or an exact communicator (``replicas=``).
 
   Example:
     >>> norm = functools.partial(mnjax.SyncBatchNorm, comm)
@@ -70,16 +54,7 @@ class SyncBatchNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
-    """Normalizes `x` with global batch statistics (or the running ones).
-
-    Args:
-      x: the input, features along ``axis``.
-      use_running_average: use the stored statistics instead of the batch's.
-      mask: optional bool array broadcastable to `x`: only True positions count.
-
-    Returns:
-      The normalized `x`, of ``dtype`` (default: inferred from `x` and the parameters).
-    """
+    """Normalizes `x` with global batch statistics (or running ones); `mask`: True entries count."""
     check_communicator(self.comm, "SyncBatchNorm")
     if self.comm.exact:
       raise ValueError(

@@ -1,12 +1,4 @@
-"""`create_mnbn_model`: an existing flax model whose BatchNorm layers are synchronized.
-
-The converted model is a subclass of the model's class (same name and fields) whose every
-method call (``Module._call_wrapped_method``) runs under a flax method interceptor: wherever
-flax's ``BatchNorm.__call__`` would run, `mnjax.SyncBatchNorm` runs with the layer's own
-attributes in the layer's own scope, so the variables keep their paths, shapes and dtypes and
-checkpoints load both ways. The layer's ``axis_name`` is dropped; ``axis_index_groups`` is
-refused.
-"""
+"""`create_mnbn_model`: BatchNorm calls run as `SyncBatchNorm` (docs/design/allreduce.md)."""
 
 from __future__ import annotations
 
@@ -34,24 +26,11 @@ _active = threading.local()  # the communicators whose interceptor this thread r
 
 
 def create_mnbn_model(model: nn.Module, comm: Communicator) -> nn.Module:
-  """`model`, with every flax ``nn.BatchNorm`` in it run as `mnjax.SyncBatchNorm` (ChainerMN's
-  ``create_mnbn_model``).
-
-  The result is an instance of a subclass of ``type(model)``, used exactly like `model`, with
-  the same variable tree (checkpoints restore both ways); `model` itself is not changed. On
-  several processes, apply it in training mode inside `mnjax.data_parallel`.
-
-  Args:
-    model: an unbound flax module (not yet initialised or bound), made outside any other
-      module (e.g. a flax ResNet).
-    comm: the `Communicator` the batch statistics are summed over.
-
-  Returns:
-    The converted module.
-
-  Raises:
-    TypeError: `model` is not a flax module, or `comm` not a `Communicator`.
-    ValueError: `model` is bound or belongs to another module.
+  """`model` with every flax ``nn.BatchNorm`` in it run as `mnjax.SyncBatchNorm` (ChainerMN's
+  ``create_mnbn_model``): a subclass instance, used like `model`, with the same variables.
+  `model`: an unbound flax module made outside any other module (e.g. a flax ResNet); it is
+  not changed. Apply the result inside `mnjax.data_parallel`. Raises TypeError (not a flax
+  module, or `comm` not a `Communicator`) or ValueError (`model` bound or a submodule).
 
   Example:
     >>> class Small(nn.Module):                       # BatchNorm made inline

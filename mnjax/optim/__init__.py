@@ -1,21 +1,14 @@
 """Layer 2 — optax gradient transformations built on the in-step collectives.
 
 * `allreduce_gradients`: each gradient becomes its mean over every device of every rank.
-* `create_multi_node_optimizer`: ChainerMN's wrapper: `tx` on the mean gradient, with `tx`'s
-  own state (a ported script's checkpoints restore unchanged); ``double_buffering=True``
-  runs `tx` on the previous step's gradient, first at the second step
-  (`DoubleBufferingState`).
+* `create_multi_node_optimizer`: ChainerMN's wrapper, keeping `tx`'s own state.
 * `accumulate_gradients`: k micro-batches per update, one exchange per update.
-* `skip_nonfinite`: an update with a NaN/Inf anywhere is skipped by every rank together;
-  `raise_if_diverging` ends a run that keeps skipping.
-* `dynamic_loss_scale`: float16 loss scaling (flax's ``DynamicScale``) on top of it: every
-  rank skips and lowers the scale together; `loss_scale_state` reads the scale in the step.
-* `local_sgd`: local SGD / DiLoCo: each replica steps alone, the replicas meet every k steps
-  (one exchange per round; `LocalSGDState`); `meet_next_step` ends a round early.
-* `shard_optimizer`: ZeRO-1, the optimizer state sharded over ranks (in place of the
-  chain above); `gather_optimizer_state` / `scatter_optimizer_state` for checkpoints.
+* `skip_nonfinite`, `raise_if_diverging`, `dynamic_loss_scale`, `loss_scale_state`: NaN/Inf
+  steps skipped by every rank together; float16 loss scaling on top.
+* `local_sgd`, `meet_next_step`: local SGD / DiLoCo, the replicas meet every k steps.
+* `shard_optimizer`, `gather_optimizer_state`, `scatter_optimizer_state`: ZeRO-1.
 * `replace_inner_state`: a ported script's saved `tx` state put into a wrapper's state.
-* `recipes`: the large-batch recipes (Goyal et al., LARS, Akiba et al.'s RMSprop warm-up).
+* `recipes`: large-batch recipes (Goyal et al., LARS, Akiba et al.'s RMSprop warm-up).
 
 Example::
 

@@ -1,9 +1,4 @@
-"""Gradient accumulation whose micro-steps communicate nothing.
-
-`accumulate_gradients` sums the micro-step gradients and calls the inner transformation in a
-``lax.cond`` branch taken only on the k-th micro-step, so its collective runs once per update,
-on the mean gradient. Every rank counts micro-steps identically and takes the same branch.
-"""
+"""Gradient accumulation whose micro-steps communicate nothing (docs/design/optim.md)."""
 
 from __future__ import annotations
 
@@ -31,17 +26,12 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int
   """Applies `inner` to the mean gradient of every `every_k` micro-steps; zero updates between.
 
   Args:
-    inner: the transformation to run once per `every_k` micro-steps, typically
-      ``optax.chain(mnjax.allreduce_gradients(comm), optimizer)``.
+    inner: typically ``optax.chain(mnjax.allreduce_gradients(comm), optimizer)``.
     every_k: micro-steps per update (>= 1).
 
-  Returns:
-    An `optax.GradientTransformation` with `AccumulationState`. Updates are zero on the
-    first ``every_k - 1`` micro-steps of each cycle.
-
   Raises:
-    ValueError: while the step is traced, under the ``xla`` kind with several local devices
-      per process, and from `mnjax.Checkpointer.save` inside a cycle with several replicas.
+    ValueError: under the ``xla`` kind with several local devices per process (when traced),
+      and from `mnjax.Checkpointer.save` inside a cycle with several replicas.
 
   Example:
     >>> tx = mnjax.accumulate_gradients(

@@ -1,13 +1,4 @@
-"""The 15-minute ImageNet recipe of Akiba, Suzuki and Fukuda (arXiv 1711.04325) as optax objects.
-
-* `rmsprop_warmup`: momentum SGD whose step starts as RMSprop's (with its own, small learning
-  rate) and hands over to plain SGD's;
-* `akiba_blend`: SGD's share of that step, an ELU-shaped curve of the epoch;
-* `slow_start_schedule`: the learning rate, ``0.1 x batch / 256`` times 0.5, 0.075, 0.01 and
-  0.001 from epochs 0, 40, 70 and 85.
-
-Sources and readings taken: docs/design/optim.md.
-"""
+"""Akiba et al.'s 15-minute ImageNet recipe (arXiv 1711.04325; docs/design/optim.md)."""
 
 from __future__ import annotations
 
@@ -43,15 +34,10 @@ def akiba_blend(steps_per_epoch: int, *, center: float = 10.0,
                  = 0.5 + (e - c) / p            for c <= e < c + p / 2
                  = 1                            afterwards
 
-  The exponential meets the line at ``c`` with the same value and slope (continuous).
-
   Args:
     steps_per_epoch: optimizer steps per epoch (> 0).
     center: ``c``, the epoch where SGD and RMSprop share the step equally (paper: 10).
     period: ``p``, in epochs, > 0 (paper: 5).
-
-  Returns:
-    An optax schedule: step -> ``alpha_sgd`` in (0, 1].
 
   Example:
     >>> alpha = akiba_blend(100)
@@ -74,7 +60,7 @@ def akiba_blend(steps_per_epoch: int, *, center: float = 10.0,
 
 def slow_start_schedule(global_batch_size: int, steps_per_epoch: int, *, base_lr: float = 0.1,
                         base_batch_size: int = 256) -> optax.Schedule:
-  """Akiba et al.'s slow-start learning rate, a schedule of the step.
+  """Akiba et al.'s slow-start learning rate, an optax schedule of the step.
 
   ``eta_base = base_lr x global_batch_size / base_batch_size``, times 0.5 in epochs [0, 40),
   0.075 in [40, 70), 0.01 in [70, 85) and 0.001 from 85 on; epochs are whole.
@@ -83,9 +69,6 @@ def slow_start_schedule(global_batch_size: int, steps_per_epoch: int, *, base_lr
     global_batch_size: examples per step over all replicas.
     steps_per_epoch: optimizer steps per epoch (> 0).
     base_lr, base_batch_size: the reference rate and the batch it belongs to (> 0).
-
-  Returns:
-    An optax schedule: step -> learning rate.
 
   Example:
     >>> eta = slow_start_schedule(32768, steps_per_epoch=39)
@@ -144,17 +127,16 @@ def rmsprop_warmup(learning_rate: optax.ScalarOrSchedule, sgd_fraction: optax.Sc
     Delta_t = momentum * Delta_{t-1} - (alpha_sgd + alpha_rmsprop / (sqrt(m_t) + eps)) * g
     update  = eta * Delta_t
 
-  ``alpha_sgd = 1`` is exactly ``optax.sgd(eta, momentum)``.
+  ``alpha_sgd = 1`` is exactly ``optax.sgd(eta, momentum)``. Each rate is a number or a
+  schedule; a schedule must itself give positive rates (``eta`` divides).
 
   Args:
-    learning_rate: SGD's rate ``eta``, > 0: a number or a schedule (`slow_start_schedule`).
-    sgd_fraction: ``alpha_sgd`` in [0, 1]: a number or a schedule (`akiba_blend`).
-    rmsprop_learning_rate: ``eta_rmsprop``, > 0, a number or a schedule (recipe: 3e-4).
+    learning_rate: SGD's rate ``eta``, > 0 (`slow_start_schedule`).
+    sgd_fraction: ``alpha_sgd`` in [0, 1] (`akiba_blend`).
+    rmsprop_learning_rate: ``eta_rmsprop``, > 0 (recipe: 3e-4).
     momentum: ``mu1`` in [0, 1) (recipe: 0.9).
     decay: ``mu2``, the mean square's decay, in [0, 1) (recipe: 0.99).
     eps: added to ``sqrt(m_t)``, > 0 (recipe: 1e-8).
-
-  Numbers are checked here; a schedule must itself give positive rates (``eta`` divides).
 
   Example:
     >>> steps = 39  # ImageNet's 1.28M images / 32768

@@ -1,14 +1,4 @@
-"""Data parallelism as an optax gradient transformation.
-
-`allreduce_gradients(comm)` replaces each gradient by its mean over every replica; first in
-an optax chain, the rest of the chain sees the global gradient and the replicas stay bitwise
-identical. It is stateless and runs inside the user's jitted step (the exchange is traced
-into it: `mnjax.comm.allreduce_tree`). Arguments are checked when it is built, parameter
-dtypes at ``init``, and when the step is traced every rank compares its gradient and
-parameter trees and options with every other rank (`mnjax.guard.check_same_on_all_ranks`)
-before any collective runs. `gradient_exchange` (the checks, then the reduction) is shared
-with the double-buffering wrapper.
-"""
+"""`allreduce_gradients`, and its checks and reduction shared with the other wrappers."""
 
 from __future__ import annotations
 
@@ -34,26 +24,16 @@ def allreduce_gradients(comm, *, mean: bool = True, wire_dtype: Any = None,
                         bucket_bytes: int | str | None = "auto",
                         preflight_timeout: float = preflight.DEFAULT_TIMEOUT,
                         ) -> optax.GradientTransformation:
-  """Averages (or sums) gradients over all replicas: ChainerMN's multi-node optimizer as optax.
-
-  The gradients are packed into buckets of at most `bucket_bytes` per dtype, one MPI allreduce
-  each. Half-precision leaves travel as float32 unless a 16-bit `wire_dtype` is asked for.
+  """Averages (or sums) gradients over all replicas: a stateless optax transformation.
 
   Args:
     comm: the `Communicator` from `mnjax.create_communicator`.
-    mean: average over replicas (default); ``False`` sums, e.g. when the loss is already
-      normalised by the global batch size.
-    wire_dtype: None (full precision) or ``jnp.bfloat16`` / ``jnp.float16`` (ChainerMN's
-      ``allreduce_grad_dtype``): gradients travel in 16 bits and are summed in float32.
-      float16 gives Inf where the mean gradient exceeds 65504.
-    bucket_bytes: the largest fused buffer in wire bytes (a larger leaf travels alone);
-      ``"auto"`` (default): `mnjax.comm.default_bucket_bytes` for the platform; None: one
-      buffer per dtype (ChainerMN's behaviour).
-    preflight_timeout: seconds a rank waits, when the step is first traced, for every other
-      rank to reach the same pre-flight check; then it raises instead of hanging.
-
-  Returns:
-    An `optax.GradientTransformation` with `optax.EmptyState`.
+    mean: average over replicas (default); ``False`` sums.
+    wire_dtype: None or ``jnp.bfloat16`` / ``jnp.float16`` (ChainerMN's ``allreduce_grad_dtype``):
+      gradients travel in 16 bits, summed in float32 (float16: Inf above 65504).
+    bucket_bytes: the largest fused buffer in wire bytes, one allreduce each; ``"auto"``:
+      `mnjax.comm.default_bucket_bytes`; None: one buffer per dtype (ChainerMN's).
+    preflight_timeout: seconds to wait at the first trace for every rank, then raise.
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
@@ -93,11 +73,9 @@ class GradientExchange(NamedTuple):
 
   Attributes:
     check_params: ``(params) -> None``: refuses, at ``init``, leaves that cannot be reduced.
-    check: ``(updates, params, state, **more) -> None``: while the step is traced, the
-      gradient's leaves, then the same trees and options on every rank (``more`` adds
-      entries to what the ranks compare), then that the call is traced at all.
+    check: ``(updates, params, state, **more) -> None``: the checks when traced.
     reduce: ``(tree) -> tree``: the in-step allreduce with the exchange's options.
-    mean: whether `reduce` averages (else sums) over the replicas.
+    mean: whether `reduce` averages (else sums).
   """
 
   check_params: Callable[[Any], None]
@@ -110,9 +88,7 @@ def gradient_exchange(comm, caller: str, *, mean: bool = True, wire_dtype: Any =
                       bucket_bytes: int | str | None = "auto",
                       preflight_timeout: float = preflight.DEFAULT_TIMEOUT,
                       options: dict | None = None) -> GradientExchange:
-  """The checks and the reduction of `allreduce_gradients`, validated now for `caller`.
-
-  `options` are compared across ranks with the exchange's own (e.g. a wrapper's flag).
+  """`allreduce_gradients`' checks and reduction for `caller`; `options` compared too.
 
   Example:
     >>> exchange = gradient_exchange(comm, "my_wrapper", mean=False)
@@ -169,9 +145,7 @@ def gradient_exchange(comm, caller: str, *, mean: bool = True, wire_dtype: Any =
 
 def check_inner_update(comm, caller: str, inner: Any, updates: Any, state: Any, params: Any,
                        extra_args: dict) -> None:
-  """Raises the same `ValueError` on every rank unless every rank's wrapped optimizer traces
-  the same update program (another optimizer, or another hyperparameter, on one rank would
-  leave the replicas drifting apart in silence). Runs while the step is traced.
+  """Raises the same `ValueError` on every rank unless all trace the same `inner` update.
 
   Example:
     >>> tx = optax.with_extra_args_support(optax.sgd(0.1))

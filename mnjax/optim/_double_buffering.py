@@ -1,12 +1,4 @@
-"""ChainerMN's double buffering: the actual optimizer runs on the previous step's gradient.
-
-`double_buffered_optimizer` (reached through ``mnjax.create_multi_node_optimizer(tx, comm,
-double_buffering=True)``) reduces the previous step's local gradient, held in the state
-(`PendingGradient`), while this step computes, and stores this step's gradient in its place.
-Step 0 returns a zero update and leaves the actual optimizer's state untouched. Before a
-checkpoint, `mnjax.train.flush_pending` replaces the pending gradient by its global sum, so a
-resumed run is bitwise the uninterrupted one.
-"""
+"""ChainerMN's double buffering: the optimizer runs on the previous step's gradient."""
 
 from __future__ import annotations
 
@@ -29,13 +21,11 @@ _CALLER = "create_multi_node_optimizer"
 
 
 class PendingGradient(NamedTuple):
-  """The exchange's half of `DoubleBufferingState`: the gradient that waits for its exchange.
+  """The exchange's half of `DoubleBufferingState`.
 
   Attributes:
-    pending: this rank's gradient of the previous step, not yet reduced (zeros before the
-      first step); the tree, shapes and dtypes of the parameters.
-    reduced: a bool scalar, True when `mnjax.train.flush_pending` has already replaced
-      `pending` by its global sum (then the same on every rank).
+    pending: this rank's unreduced gradient of the previous step (zeros before the first).
+    reduced: True when `mnjax.train.flush_pending` has replaced `pending` by its global sum.
   """
 
   pending: Any
@@ -43,7 +33,7 @@ class PendingGradient(NamedTuple):
 
 
 def init_pending(params: Any) -> PendingGradient:
-  """A zero pending gradient shaped like `params` (what step 0 reduces and applies).
+  """A zero pending gradient shaped like `params` (what step 0 applies).
 
   Example:
     >>> init_pending({"w": jnp.ones(2)}).pending
@@ -55,8 +45,7 @@ def init_pending(params: Any) -> PendingGradient:
 
 
 def check_pending(updates: Any, state: Any, caller: str) -> None:
-  """Raises unless `state` is a `PendingGradient` whose pending tree has the tree,
-  shapes and dtypes of `updates` (runs while the step is traced).
+  """Raises unless `state` is a `PendingGradient` shaped like `updates` (tree, dtypes).
 
   Example:
     >>> check_pending({"w": jnp.ones(3)}, init_pending({"w": jnp.ones(2)}), "my_fn")
@@ -92,9 +81,7 @@ def check_pending(updates: Any, state: Any, caller: str) -> None:
 def double_buffered_update(updates: Any, state: PendingGradient, comm: Communicator,
                            reduce: Callable[[Any], Any], *, mean: bool = True
                            ) -> tuple[Any, PendingGradient]:
-  """``(reduce(state.pending), PendingGradient(updates))``: the double-buffered exchange.
-
-  A flushed pending sum is applied as it is (divided by the replicas for `mean`).
+  """``(reduce(state.pending), PendingGradient(updates))``; a flushed sum is not reduced again.
 
   Example:
     >>> state = init_pending({"w": jnp.ones(2)})
@@ -119,9 +106,8 @@ class DoubleBufferingState(NamedTuple):
 
   Attributes:
     exchange: the pending gradient (`PendingGradient`).
-    started: a bool scalar, False until the first step has stored a gradient: while it
-      is False the step keeps `inner_state` and returns a zero update.
-    inner_state: the actual optimizer's state (untouched by the first step).
+    started: False until the first step has stored a gradient (that step applies zero).
+    inner_state: the actual optimizer's state.
   """
 
   exchange: PendingGradient
@@ -131,16 +117,11 @@ class DoubleBufferingState(NamedTuple):
 
 def double_buffered_optimizer(tx: optax.GradientTransformation, comm: Communicator,
                               **allreduce_options: Any) -> optax.GradientTransformationExtraArgs:
-  """`tx` applied to the previous step's mean gradient, first at the second step.
-
-  Step ``t >= 1`` runs `tx` on the mean gradient of step ``t - 1``; step 0 only stores its
-  gradient and returns a zero update. Before a checkpoint, call `mnjax.train.flush_pending`.
+  """`tx` on the previous step's mean gradient; step 0 applies zero. See `flush_pending`.
 
   Args:
     tx: the actual optimizer (extra ``update`` arguments are passed on to it).
-    comm: the `Communicator`.
-    **allreduce_options: keywords of `mnjax.allreduce_gradients` (``mean``, ``wire_dtype``,
-      ``bucket_bytes``, ``preflight_timeout``), checked now.
+    **allreduce_options: keywords of `mnjax.allreduce_gradients`, checked now.
 
   Example:
     >>> tx = mnjax.create_multi_node_optimizer(optax.adam(0.1), comm, double_buffering=True)

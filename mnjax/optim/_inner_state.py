@@ -1,13 +1,4 @@
-"""Restoring a ported script's optimizer state into the state of an mnjax wrapper.
-
-A script ported to mnjax keeps its optimizer `tx` and wraps it (`create_multi_node_optimizer`
-with ``double_buffering=True``, `skip_nonfinite`, `dynamic_loss_scale`,
-`accumulate_gradients`): each wrapper's state holds `tx`'s state in its ``inner_state``
-field, with counters of its own beside it. `replace_inner_state` puts a state that `tx`
-saved (the original script's checkpoint) where `tx`'s state lives in a fresh wrapper state,
-so momentum, moments and schedule counts carry over. `shard_optimizer` cuts `tx`'s state
-into shares instead (`scatter_optimizer_state`).
-"""
+"""Restoring a ported script's optimizer state into the state of an mnjax wrapper."""
 
 from __future__ import annotations
 
@@ -21,11 +12,8 @@ __all__ = ["replace_inner_state"]
 
 
 def replace_inner_state(state: Any, inner: Any) -> Any:
-  """`state` (a wrapper's fresh state, e.g. ``wrapped.init(params)``) with the innermost
-  wrapped optimizer's state replaced by `inner`.
-
-  Follows ``inner_state`` fields down through the wrappers' states to the first state that
-  has none, which must have the tree structure of `inner` (shapes and dtypes too).
+  """`state` (e.g. ``wrapped.init(params)``) with the innermost optimizer's state replaced by
+  `inner`, which must match it in tree, shapes and dtypes (momentum and counts carry over).
 
   Raises:
     TypeError: `state` is not a wrapper's state, is `shard_optimizer`'s (use

@@ -1,14 +1,4 @@
-"""Local SGD and DiLoCo: each replica steps on its own gradient, the replicas meet every k steps.
-
-`local_sgd(tx, comm, every_k=k, outer=None)` runs `tx` on each replica's own gradient; on
-every k-th step, after that step's own update, one in-step allreduce of the change since the
-last meeting (``anchor - local``, plus one float per leaf) moves every replica to ``anchor -
-mean change`` (local SGD) or ``anchor + outer(mean change)`` (DiLoCo). The meeting's bits are
-the state's ``anchor``, the same on every replica; ``params + (anchor - params)`` lands on
-them except in the elements counted in ``inexact`` (a target across zero from the
-parameter), so the target is first rounded to a grid the replicas agree on
-(`agreed_target`). Why and how: docs/design/optim.md, "Local SGD and DiLoCo".
-"""
+"""Local SGD and DiLoCo: replicas step alone and meet every k steps (docs/design/optim.md)."""
 
 from __future__ import annotations
 
@@ -35,17 +25,12 @@ class LocalSGDState(NamedTuple):
   """The state of `local_sgd`.
 
   Attributes:
-    steps_left: int32, steps until the replicas meet: the step that finds 1 meets (after its
-      own update), and it starts again at ``every_k``. `meet_next_step` sets it to 1.
-    anchor: the parameters at the last meeting (at ``init``: the initial ones); the same on
-      every replica. Right after a meeting it is the parameters every replica moved to,
-      bitwise: take ``params = state.anchor`` where identical replicas are needed to the last
-      bit (an evaluation, a checkpoint; `lab.runner.train_loop` does at every epoch's end).
-    outer_state: the outer optimizer's state (`optax.EmptyState` without one); the same on
-      every replica.
-    inner_state: `tx`'s state: each replica's own (`mnjax.Checkpointer` saves every rank's).
-    inexact: int32, elements of this replica's parameters that did not land on the anchor at
-      the last meeting (targets across zero from them; see the module's notes).
+    steps_left: steps until the replicas meet (after the update of the step that finds 1).
+    anchor: the parameters at the last meeting, the same on every replica: take
+      ``params = state.anchor`` where bitwise identical replicas are needed (a checkpoint).
+    outer_state: the outer optimizer's state (`optax.EmptyState` without one).
+    inner_state: `tx`'s state, each replica's own.
+    inexact: elements of this replica's parameters that missed the anchor at the last meeting.
   """
 
   steps_left: jax.Array
@@ -60,21 +45,16 @@ def local_sgd(tx: optax.GradientTransformation, comm, *, every_k: int,
               bucket_bytes: int | str | None = "auto",
               preflight_timeout: float = preflight.DEFAULT_TIMEOUT,
               ) -> optax.GradientTransformation:
-  """Local SGD (``outer=None``) or DiLoCo (an `outer` optimizer): `tx` on each replica's own
-  gradient, and every `every_k` steps one exchange that brings the replicas to the same
-  parameters. Uplink bytes per step: 1/`every_k` of `allreduce_gradients`'.
+  """Local SGD (``outer=None``) or DiLoCo: `tx` on each replica's own gradient, and every
+  `every_k` steps one exchange that brings the replicas to the same parameters.
 
   Args:
     tx: the inner optimizer, run on this replica's gradient (no `allreduce_gradients` in it).
     comm: the `Communicator` (one device per process; not ``replicas=``).
     every_k: steps per round (>= 1); ``every_k=1`` averages parameters after every step.
-    outer: None: the replicas meet at the mean of their parameters; else an optax
-      transformation that receives the mean change since the last meeting as its gradient
-      and the anchor as its parameters (DiLoCo: Nesterov SGD).
-    wire_dtype: None, ``jnp.bfloat16`` or ``jnp.float16``: the changes travel in 16 bits
-      (as in `allreduce_gradients`); the agreed target is exact either way.
-    bucket_bytes: as in `allreduce_gradients`.
-    preflight_timeout: as in `allreduce_gradients`.
+    outer: None: meet at the mean of the parameters; else an optax transformation given the
+      mean change as gradient and the anchor as parameters (DiLoCo: Nesterov SGD).
+    wire_dtype, bucket_bytes, preflight_timeout: as in `allreduce_gradients`.
 
   Returns:
     An `optax.GradientTransformation` with `LocalSGDState`; its ``update`` needs ``params``.
@@ -181,9 +161,7 @@ def local_sgd(tx: optax.GradientTransformation, comm, *, every_k: int,
 
 
 def meet_next_step(opt_state: Any) -> Any:
-  """`opt_state` with every `LocalSGDState` in it set to meet at the next step (after that
-  step's own update): a round ended early, e.g. at an epoch's end. Call it on every rank at
-  the same step.
+  """`opt_state` with every `LocalSGDState` set to meet at the next step; call on every rank.
 
   Example:
     >>> tx = mnjax.optim.local_sgd(optax.sgd(0.1), comm, every_k=8)
@@ -205,10 +183,7 @@ def _is_state(x: Any) -> bool:
 
 def meet(reduce, replicas: int, params: Any, local: Any, anchor: Any,
          outer: optax.GradientTransformation | None, outer_state: Any) -> tuple[Any, Any]:
-  """The replicas' common parameters and the outer state after a meeting (in-step).
-
-  `reduce` averages a tree over the `replicas`; `params` are this replica's parameters
-  before the step (what the update is added to) and `local` after its own step.
+  """Common parameters and outer state after a meeting; `local`: `params` after this step.
 
   Example:
     >>> one = {"w": jnp.asarray([1.0, -2.0])}
@@ -235,9 +210,7 @@ def meet(reduce, replicas: int, params: Any, local: Any, anchor: Any,
 def agreed_target(target: jax.Array, anchor: jax.Array, drift: jax.Array) -> jax.Array:
   """`target` rounded to two units in the last place of ``max(|anchor| + 2 drift, |target|)``.
 
-  `drift` bounds every replica's ``|params - anchor|`` for the leaf; the factor 2 covers a
-  drift sum rounded down on a 16-bit wire. For float32 leaves; others are returned as they
-  are.
+  `drift` bounds every replica's ``|params - anchor|``. Other dtypes than float32: unchanged.
 
   Example:
     >>> float(agreed_target(jnp.float32(1e-8), jnp.float32(0.0), jnp.float32(1.0)))

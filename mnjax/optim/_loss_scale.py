@@ -1,11 +1,4 @@
-"""Dynamic loss scaling for float16 training, with one skip decision for every rank.
-
-The loss is multiplied by a scale ``S`` (read with `loss_scale_state` in the step); the
-gradient is divided by it, and on overflow the step is skipped and ``S`` shrinks, after
-`growth_interval` finite steps it grows (flax's ``DynamicScale``). `dynamic_loss_scale` sits
-*after* `allreduce_gradients` and builds on `skip_nonfinite`: it checks the reduced gradient,
-the same on every rank, so all ranks skip and rescale together with no extra message.
-"""
+"""Dynamic loss scaling for float16 training, with one skip decision for every rank."""
 
 from __future__ import annotations
 
@@ -27,9 +20,8 @@ class DynamicLossScaleState(NamedTuple):
 
   Attributes:
     scale: the float32 factor to multiply the loss by in the next step.
-    good_steps: finite steps since the scale last changed (int32).
-    inner_state: a `SkipNonFiniteState` (skip counters; `mnjax.optim.raise_if_diverging` reads
-      them) holding the wrapped optimizer's state.
+    good_steps: finite steps since the scale last changed.
+    inner_state: a `SkipNonFiniteState` holding the wrapped optimizer's state.
   """
 
   scale: jax.Array
@@ -48,20 +40,15 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *, initial_scale: fl
                        min_scale: float = 1.0) -> optax.GradientTransformation:
   """Unscales the (already reduced) gradient, applies `inner` if it is finite, adapts the scale.
 
+  ``update`` takes the gradient of ``loss * scale`` (`loss_scale_state`); skipped steps give 0.
+
   Args:
     inner: the optimizer to protect (placed after `mnjax.allreduce_gradients`).
-    initial_scale: the first loss scale (2**15; float16's largest finite value is 65504).
-    growth_factor: the scale is multiplied by it after `growth_interval` finite steps in a
-      row (flax's default cadence: 2.0 every 2000 steps).
-    backoff_factor: the scale is multiplied by it after a non-finite step.
+    initial_scale: the first loss scale.
+    growth_factor: multiplies the scale after `growth_interval` finite steps in a row.
+    backoff_factor: multiplies the scale after a non-finite step.
     growth_interval: finite steps in a row before the scale grows.
     min_scale: the scale never goes below it.
-
-  Returns:
-    An `optax.GradientTransformation` whose state is a `DynamicLossScaleState`. Its
-    ``update`` expects the gradient of ``loss * scale`` (read the scale with
-    `loss_scale_state`) and returns `inner`'s updates of the unscaled gradient, or zeros on
-    a skipped step (`inner`'s state then stays as it was).
 
   Example:
     >>> tx = optax.chain(mnjax.allreduce_gradients(comm),

@@ -1,11 +1,4 @@
-"""ChainerMN's `create_multi_node_optimizer`: porting without touching the optimizer state.
-
-The wrapper's ``init`` is ``tx.init`` (the state is `tx`'s, leaf for leaf) and its ``update``
-exchanges the gradients exactly as `allreduce_gradients` does, then hands the mean to
-``tx.update``; a checkpoint of the original script restores unchanged. With
-``double_buffering=True`` it is `mnjax.optim._double_buffering`'s wrapper, whose
-``DoubleBufferingState.inner_state`` holds `tx`'s state.
-"""
+"""ChainerMN's `create_multi_node_optimizer`: porting without touching the optimizer state."""
 
 from __future__ import annotations
 
@@ -25,26 +18,16 @@ _CALLER = "create_multi_node_optimizer"
 def create_multi_node_optimizer(actual_optimizer: optax.GradientTransformation, comm,
                                 *, double_buffering: bool = False, **allreduce_options: Any,
                                 ) -> optax.GradientTransformationExtraArgs:
-  """Wraps `actual_optimizer` so that it sees the mean gradient over every replica, keeping
-  its optimizer state unchanged (ChainerMN's ``create_multi_node_optimizer``).
+  """`actual_optimizer` on the mean gradient over every replica, with its own state unchanged.
 
-  ``init`` returns exactly ``actual_optimizer.init(params)``, so a state saved by the original
-  script restores into it; updates are bitwise those of
-  ``optax.chain(mnjax.allreduce_gradients(comm, **allreduce_options), actual_optimizer)``.
+  ``init`` is ``actual_optimizer.init``, so a state saved by the original script restores into
+  it; updates are bitwise those of ``optax.chain(allreduce_gradients(comm), actual_optimizer)``.
 
   Args:
-    actual_optimizer: the optax transformation of the original script (a chain too); extra
-      arguments of its ``update`` (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau``)
-      are passed on.
-    comm: the `Communicator`.
-    double_buffering: `actual_optimizer` runs on the previous step's mean gradient, first at
-      the second step; the state is a `DoubleBufferingState` (with ``inner_state``).
-    **allreduce_options: any keyword of `allreduce_gradients` (``mean``, ``wire_dtype``,
-      ``bucket_bytes``, ``preflight_timeout``), checked now.
-
-  Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is `actual_optimizer`'s (with
-    double buffering, a `DoubleBufferingState` around it).
+    actual_optimizer: the original script's optax transformation; extra ``update`` arguments
+      (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau``) are passed on.
+    double_buffering: run on the previous step's mean gradient (`DoubleBufferingState`).
+    **allreduce_options: keywords of `allreduce_gradients`, checked now.
 
   Example:
     >>> tx = optax.sgd(optax.linear_schedule(0.1, 0.01, 100), momentum=0.9)

@@ -1,11 +1,4 @@
-"""Skip updates whose gradient holds a NaN or an Inf, on every rank together.
-
-Placed after `allreduce_gradients`, `skip_nonfinite` checks the reduced gradient, which every
-rank holds alike, so all ranks skip together. Around `mnjax.shard_optimizer` it decides on the
-all-gathered update instead (``on="update"``). A skipped step leaves the parameters and the
-wrapped state untouched and is counted; `raise_if_diverging` (host side) stops a run that only
-skips.
-"""
+"""Skip updates whose gradient holds a NaN or an Inf, on every rank together."""
 
 from __future__ import annotations
 
@@ -25,8 +18,8 @@ class SkipNonFiniteState(NamedTuple):
   """Counters of `skip_nonfinite`, plus the wrapped optimizer's state.
 
   Attributes:
-    skipped: steps skipped since the start (int32).
-    consecutive: skips in a row up to the last step; 0 after a finite step (int32).
+    skipped: steps skipped since the start.
+    consecutive: skips in a row up to the last step; 0 after a finite step.
     inner_state: the wrapped transformation's state, as of the last finite step.
   """
 
@@ -50,16 +43,12 @@ def skip_nonfinite(inner: optax.GradientTransformation, *, on: str = "gradient"
                    ) -> optax.GradientTransformation:
   """Applies `inner` only when the (already reduced) gradient is finite; counts the skips.
 
+  A skipped step returns zero updates and keeps `inner`'s state (`SkipNonFiniteState`).
+
   Args:
     inner: the transformation to protect (the optimizer after the allreduce).
-    on: ``"gradient"``: the gradient `inner` receives must be finite (after
-      `allreduce_gradients`); ``"update"``: the update `inner` returns too (for
-      `mnjax.shard_optimizer`, where ``"gradient"`` is refused at ``init``).
-
-  Returns:
-    An `optax.GradientTransformation` whose state is a `SkipNonFiniteState`. Skipped steps
-    return zero updates and keep `inner`'s state. Stop a run that only skips with
-    `raise_if_diverging`.
+    on: ``"gradient"`` (after `allreduce_gradients`), or ``"update"``: the update `inner`
+      returns must be finite too (around `mnjax.shard_optimizer`, which needs it).
 
   Example:
     >>> tx = optax.chain(mnjax.allreduce_gradients(comm),
@@ -105,12 +94,9 @@ def skip_nonfinite(inner: optax.GradientTransformation, *, on: str = "gradient"
 
 def raise_if_diverging(opt_state: Any, max_consecutive_skips: int, comm: Any = None) -> None:
   """Raises `FloatingPointError` when a `skip_nonfinite` in `opt_state` has skipped more than
-  `max_consecutive_skips` steps in a row (on every rank together).
+  `max_consecutive_skips` steps in a row.
 
-  Where each replica skips its own steps (`skip_nonfinite` inside `local_sgd`), pass `comm`:
-  the ranks agree on the longest streak (one small allreduce), so that all of them raise.
-
-  Pass the previous step's state, so that reading the counter does not stall the step in flight.
+  Pass `comm` where each replica skips its own steps (inside `local_sgd`): all ranks then raise.
 
   Example:
     >>> tx = mnjax.skip_nonfinite(optax.sgd(0.1))

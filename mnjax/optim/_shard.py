@@ -1,14 +1,4 @@
-"""Optimizer-state sharding (ZeRO stage 1) as one optax transformation.
-
-`shard_optimizer(tx, comm)` is used *instead of* ``optax.chain(allreduce_gradients(comm), tx)``.
-Every leaf is split into ``P`` 1-D shares of ``ceil(n / P)`` elements and rank ``r`` keeps
-share ``r`` of `tx`'s state. A step reduce-scatters the gradients (fused in buckets), runs
-`tx` on this rank's shares, and all-gathers the updates, so the replicas stay bitwise
-identical. Only elementwise `tx` is exact on shares: whole-tree transformations are refused
-(`mnjax.optim._shard_checks`); ``clip_global_norm=`` is the exact global-norm clip. Only the
-``flat`` kind is supported. `mnjax.Checkpointer` saves the state whole
-(`gather_optimizer_state`) and cuts it again on restore for any number of ranks.
-"""
+"""Optimizer-state sharding (ZeRO stage 1) as one optax transformation (docs/design/optim.md)."""
 
 from __future__ import annotations
 
@@ -44,22 +34,17 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
                     ) -> optax.GradientTransformation:
   """ZeRO-1: `tx` with its state sharded over the ranks; replaces ``chain(allreduce, tx)``.
 
+  A step reduce-scatters the gradients, runs `tx` on this rank's 1-D share of every leaf
+  (its `ShardedState`), and all-gathers the updates.
+
   Args:
     tx: the optimizer to shard, elementwise; known whole-tree transformations are refused.
     comm: a ``flat`` `Communicator` (one process per device).
     wire_dtype: None or ``jnp.bfloat16`` / ``jnp.float16``: the gradients' reduce-scatter in
-      16 bits with float32 sums (one rounding, within `mnjax.comm.error_bound`). The
-      updates are all-gathered in their own dtype.
-    bucket_bytes: the largest fused buffer per exchange, as in `allreduce_gradients`
-      (``"auto"``: the platform's default; None: one buffer per dtype).
-    clip_global_norm: clip the mean gradient to this global norm before `tx` (as
-      ``optax.clip_by_global_norm``, which is refused in `tx`), the same on every rank.
-    check_elementwise: run the probe at ``init`` that refuses `tx` if it gives another
-      result on shares than on the whole tree.
-    preflight_timeout: as in `allreduce_gradients`.
-
-  Returns:
-    An `optax.GradientTransformation` whose state is a `ShardedState`.
+      16 bits with float32 sums; updates are all-gathered in their own dtype.
+    bucket_bytes, preflight_timeout: as in `allreduce_gradients`.
+    clip_global_norm: clip the mean gradient to this global norm before `tx` (exact on shares).
+    check_elementwise: at ``init``, probe that `tx` gives the same results on shares.
 
   Example:
     >>> tx = mnjax.shard_optimizer(optax.adam(0.1), comm)
@@ -126,7 +111,7 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
     bucketing.check_float_leaves(params, caller, real=real)
     if check_elementwise:
       check_elementwise_on_shares(tx, params, caller=caller)
-    # One compiled cut, not one eager pad-and-slice per leaf (161 for ResNet-50).
+    # One compiled cut, not one eager pad-and-slice per leaf.
     shares = jax.jit(lambda p: _shares(p, index, parts))(params)
     return sharded_state(tx, params, tx.init(shares), index, parts, caller=caller)
 

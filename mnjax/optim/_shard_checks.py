@@ -1,12 +1,4 @@
-"""Refusing inner transformations that need the whole tree, for `mnjax.shard_optimizer`.
-
-Each rank runs the inner transformation on 1-D shares of every leaf, so anything that reduces
-over a leaf or the tree would silently compute something else. Two local, deterministic checks
-run before any exchange: by name at construction (`whole_tree_transformations`, against
-`NEEDS_WHOLE_TREE`), and by a probe at ``init`` (`check_elementwise_on_shares`) that compares
-`tx` on a miniature of the tree whole and as shares. Both can only err towards accepting;
-their limits are in docs/design/optim.md.
-"""
+"""Refusing whole-tree transformations in `shard_optimizer`'s `tx` (docs/design/optim.md)."""
 
 from __future__ import annotations
 
@@ -61,10 +53,7 @@ NEEDS_WHOLE_TREE: dict[str, str] = {
 
 
 def whole_tree_transformations(tx: Any) -> list[str]:
-  """Names from `NEEDS_WHOLE_TREE` found among the functions `tx` is built from.
-
-  Walks ``tx.update``'s closure cells and reads each function's ``__qualname__`` (optax builds
-  ``clip_by_global_norm.<locals>.update_fn``); classes are not seen.
+  """Names from `NEEDS_WHOLE_TREE` among the functions in `tx`'s closures (not classes).
 
   Example:
     >>> whole_tree_transformations(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1)))
@@ -106,9 +95,6 @@ def whole_tree_transformations(tx: Any) -> list[str]:
 def check_elementwise_on_shares(tx: Any, params: Any, *, caller: str = "shard_optimizer",
                                 rtol: float = 1e-5) -> None:
   """Raises `ValueError` unless `tx` gives the same updates on shares as on whole leaves.
-
-  Runs two rounds of two steps on a miniature of `params` (every dimension cut to at most 3),
-  whole and as two shares; local and deterministic.
 
   Example:
     >>> check_elementwise_on_shares(optax.adam(1e-3), {"w": jnp.ones((4, 4))})

@@ -1,10 +1,4 @@
-"""`shard_optimizer`'s state, and its rank-count-independent form for checkpoints.
-
-`gather_optimizer_state` joins every rank's shares into the whole state ``tx.init(params)``
-would hold unsharded; `scatter_optimizer_state` cuts it for a job of any size (`join_shares`
-and `cut_shares` are their local cores). `mnjax.Checkpointer` uses the state's `layout`
-instead (`gather_to_root`, `cut_like`), with neither tx nor the parameters at hand.
-"""
+"""`shard_optimizer`'s state, and its rank-count-independent form for checkpoints."""
 
 from __future__ import annotations
 
@@ -28,10 +22,8 @@ __all__ = ["ShardedState", "check_state", "cut_like", "cut_shares", "gather_opti
 class ShardedState:
   """`shard_optimizer`'s state: `inner` on this rank's shares, share `index` of `parts`.
 
-  A pytree whose one child is `inner`, under the key ``.shard_<index>_of_<parts>`` (so
-  `mnjax.check_replicas` sees that ranks hold different trees). `layout` (static) gives, per
-  leaf of `inner`, the whole leaf's shape for a share, or None for a leaf the same on every
-  rank (a step count).
+  Its one child `inner` is under the key ``.shard_<index>_of_<parts>`` (the ranks' trees
+  differ). `layout` (static): per leaf of `inner`, the whole shape, or None if not sharded.
 
   Example:
     >>> state = mnjax.shard_optimizer(optax.adam(1e-3), comm).init({"w": jnp.ones(3)})
@@ -91,15 +83,9 @@ def check_state(state: Any, index: int, parts: int, caller: str) -> None:
 
 
 def gather_optimizer_state(comm, tx: Any, state: ShardedState, params: Any) -> Any:
-  """The whole state of `tx` from every rank's shares (numpy leaves), the same on every rank.
+  """The whole state of `tx` from every rank's shares (numpy leaves), on every rank.
 
-  Collective, host-level; independent of the number of ranks. Each rank briefly holds it all.
-
-  Args:
-    comm: the `Communicator` the state was sharded over.
-    tx: the inner transformation passed to `shard_optimizer`.
-    state: the `ShardedState` of this rank.
-    params: the parameters (their shapes say how to join the shares).
+  Collective, host-level; each rank briefly holds it all. `tx`: the one `shard_optimizer` wraps.
 
   Example:
     >>> tx = optax.adam(1e-3)
@@ -133,9 +119,7 @@ def gather_optimizer_state(comm, tx: Any, state: ShardedState, params: Any) -> A
 
 def join_shares(tx: Any, inners: list[Any], params: Any, *,
                 caller: str = "join_shares") -> Any:
-  """The whole state of `tx` from the inner states of all shares, in share order (local).
-
-  A leaf that is not a share (a step count) is taken from share 0.
+  """The whole state of `tx` from all shares' inner states, in share order (local).
 
   Example:
     >>> tx, params = optax.adam(1e-3), {"w": jnp.arange(5.0)}
@@ -158,10 +142,7 @@ def _join(layout: tuple, inners: list[Any]) -> Any:
 
 
 def gather_to_root(comm, state: ShardedState, *, root: int = 0) -> Any:
-  """The whole inner state (numpy leaves) on rank `root`, None on the others.
-
-  Collective, host-level: one MPI gather per share leaf, using ``state.layout``. The caller
-  has checked that every rank passes its own share, with a layout and the same leaves.
+  """The whole inner state (numpy leaves) on rank `root`, None on the others (collective).
 
   Example:
     >>> state = mnjax.shard_optimizer(optax.adam(1e-3), comm).init({"w": jnp.ones((3, 2))})
@@ -268,8 +249,7 @@ def cut_shares(tx: Any, full_state: Any, params: Any, index: int, parts: int, *,
 
 
 def _layout(tx: Any, params: Any, parts: int, caller: str, inner: Any) -> list[Any]:
-  """Per state leaf: the whole shape if it is a share, else None (traces ``tx.init`` on
-  shares one element longer to see which leaves follow the share size)."""
+  """Per state leaf: the whole shape if it is a share, else None."""
   leaves, treedef = jax.tree.flatten(params)
 
   def abstract(extra: int) -> Any:

@@ -1,14 +1,8 @@
 """Large-minibatch training recipes as ordinary optax objects.
 
-* `linear_scaling`, `goyal_schedule`, `goyal_sgd`: Goyal et al. ("Accurate, Large Minibatch
-  SGD"): linear scaling, 5-epoch warmup, step decay; momentum SGD with weight decay on kernels
-  only (`decay_mask`).
-* `lars`: optax's LARS with the same mask; `smoothed_cross_entropy`: label smoothing.
-* `rmsprop_warmup`, `akiba_blend`, `slow_start_schedule`: Akiba et al.'s 15-minute ImageNet
-  recipe (RMSprop blending into momentum SGD, slow-start learning rate).
-
-Plain functions returning optax schedules, transformations or losses; compose them with
-``mnjax.allreduce_gradients`` as usual.
+* `linear_scaling`, `goyal_schedule`, `goyal_sgd`, `decay_mask`, `lars`: Goyal et al., LARS.
+* `rmsprop_warmup`, `akiba_blend`, `slow_start_schedule`: Akiba et al.'s 15-minute ImageNet.
+* `smoothed_cross_entropy`: label smoothing.
 """
 
 from __future__ import annotations
@@ -46,17 +40,14 @@ def goyal_schedule(global_batch_size: int, steps_per_epoch: int, *, base_lr: flo
                    base_batch_size: int = 256, warmup_epochs: float = 5,
                    decay_epochs: Sequence[float] = (30, 60, 80), decay_factor: float = 0.1
                    ) -> optax.Schedule:
-  """Gradual warmup from `base_lr` to the linearly scaled rate, then step decay.
+  """A schedule: gradual warmup from `base_lr` to the linearly scaled rate, then step decay.
 
   Args:
     global_batch_size: examples per step over all replicas.
-    steps_per_epoch: optimizer steps per epoch (``len(train) // global_batch_size``).
+    steps_per_epoch: ``len(train) // global_batch_size``.
     base_lr, base_batch_size: the reference rate and the batch it belongs to.
-    warmup_epochs: epochs of linear warmup (Goyal et al.: 5).
+    warmup_epochs: epochs of linear warmup.
     decay_epochs: epochs at which the rate is multiplied by `decay_factor`.
-
-  Returns:
-    An optax schedule: step -> learning rate.
 
   Example:
     >>> sched = goyal_schedule(8192, steps_per_epoch=156)
@@ -76,8 +67,7 @@ def goyal_schedule(global_batch_size: int, steps_per_epoch: int, *, base_lr: flo
 
 
 def decay_mask(params: Any) -> Any:
-  """True for leaves that get weight decay: kernels (2-D and up); False for batch-norm
-  scales/offsets and biases (1-D and scalars).
+  """True for leaves that get weight decay: kernels (2-D and up), not biases or BN scales.
 
   Example:
     >>> decay_mask({"conv": {"kernel": jnp.ones((3, 3, 1, 8)), "bias": jnp.ones(8)}})

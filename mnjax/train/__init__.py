@@ -1,14 +1,10 @@
 """Running a per-device step over a communicator, and what a step reports.
 
-* `data_parallel`: the right execution of a per-device step for the communicator kind.
-* `process_local`: marks a step output that may differ across a process's local devices.
-* `allreduce_metrics` / `global_mean`: exact metrics from per-rank sums and counts.
-* `mean_metrics`: exact metrics from per-rank means (a step ported from ``jax.lax.pmean``).
-* `generic_multi_node_evaluator`: metrics that do not add up (a median, an AUC), from every
-  rank's per-batch results, aggregated on the root (ChainerMN's ``GenericMultiNodeEvaluator``).
-* `multi_node_early_stopping`: early stopping on a metric averaged over every rank's
-  observations; every rank stops at the same check (``MultiNodeEarlyStoppingTrigger``).
-* `flush_pending`: double buffering's per-rank pending gradients summed before a checkpoint.
+* `data_parallel`, `process_local`: a per-device step run right for the communicator kind.
+* `allreduce_metrics`, `global_mean`, `mean_metrics`: exact metrics over every rank.
+* `generic_multi_node_evaluator`: metrics that do not add up (a median, an AUC).
+* `multi_node_early_stopping`: every rank stops at the same check.
+* `flush_pending`: double buffering's pending gradients summed before a checkpoint.
 
 Example::
 

@@ -1,15 +1,4 @@
-"""`multi_node_early_stopping`: stop when a metric averaged over the ranks stops improving.
-
-As ChainerMN's ``MultiNodeEarlyStoppingTrigger``, every rank decides on the mean of the values
-*every* rank observed since the last check, so all ranks stop at the same check:
-
-* ``observe(state, value)``: local, adds a value to this rank's running sum;
-* ``check(state)``: collective; the exact global mean (rank 0's, broadcast), then an
-  improvement resets the count, anything else (also NaN) adds one, and ``state.stop`` turns
-  True once it reaches ``patience``. A check with no observation changes nothing.
-
-The state is a NamedTuple of numbers: checkpoint it with the loop's state.
-"""
+"""`multi_node_early_stopping`: stop when a metric averaged over the ranks stops improving."""
 
 from __future__ import annotations
 
@@ -36,8 +25,7 @@ class EarlyStoppingState(NamedTuple):
   Attributes:
     best: the best global mean so far (``inf``/``-inf`` before the first check).
     bad_checks: checks since the best last improved.
-    total: this rank's sum of the values observed since the last check.
-    count: and their number.
+    total, count: this rank's sum and number of values observed since the last check.
     stop: True once ``bad_checks`` reached ``patience`` (the same on every rank).
   """
 
@@ -49,8 +37,7 @@ class EarlyStoppingState(NamedTuple):
 
 
 class EarlyStopping(NamedTuple):
-  """``init() -> state``, ``observe(state, value) -> state`` (local),
-  ``check(state) -> state`` (collective)."""
+  """``init()``, ``observe(state, value)`` (local) and ``check(state)`` (collective)."""
 
   init: Callable[[], EarlyStoppingState]
   observe: Callable[[EarlyStoppingState, Any], EarlyStoppingState]
@@ -60,19 +47,13 @@ class EarlyStopping(NamedTuple):
 def multi_node_early_stopping(comm: Communicator, *, monitor: str = "loss", patience: int = 3,
                               mode: str = "auto") -> EarlyStopping:
   """Early stopping on a metric averaged over every rank's observations (ChainerMN's
-  ``MultiNodeEarlyStoppingTrigger``): every rank stops at the same check.
+  ``MultiNodeEarlyStoppingTrigger``): call ``check`` on every rank at the same steps.
 
   Args:
-    comm: the `Communicator`.
     monitor: the metric's name; with ``mode="auto"`` a name containing ``"accuracy"`` is
-      maximised, anything else minimised (ChainerMN's rule).
-    patience: checks without improvement before ``state.stop`` (a positive int).
-    mode: ``"auto"``, ``"min"`` or ``"max"``.
-
-  Returns:
-    `EarlyStopping`: ``init``, ``observe`` (per step, local) and ``check`` (collective: call
-    it on every rank at the same steps). The ranks compare `monitor`, `patience` and `mode`
-    here (one round): a value that differs on one rank raises on every rank.
+      maximised, anything else minimised.
+    patience: checks without improvement (NaN counts as none) before ``state.stop``.
+    mode: ``"auto"``, ``"min"`` or ``"max"``; all three are compared across ranks here.
 
   Example:
     >>> stopper = mnjax.train.multi_node_early_stopping(comm, monitor="accuracy", patience=2)

@@ -1,10 +1,4 @@
-"""Exact global metrics, from per-rank sums and counts or from per-rank means.
-
-Averaging per-rank averages is wrong once ranks hold different numbers of real examples.
-Both ways here are host-level and collective: `allreduce_metrics` adds per-rank sums and
-counts exactly (int64, float64) before `global_mean` forms ratios; `mean_metrics` averages
-per-rank means weighted by their example counts.
-"""
+"""Exact global metrics (host-level, collective), from per-rank sums and counts or means."""
 
 from __future__ import annotations
 
@@ -26,17 +20,11 @@ __all__ = ["allreduce_metrics", "global_mean", "mean_metrics"]
 def allreduce_metrics(metrics: Any, comm: Communicator) -> Any:
   """Sums a pytree of per-rank metric sums/counts over all ranks (host-level, collective).
 
-  Integers are summed exactly as int64, floats in float64. Call it on every rank, outside
-  `jax.jit`, with the same tree structure everywhere (checked first: a mismatch raises the
-  same `ValueError` on every rank).
+  Call it on every rank, outside `jax.jit`, with the same tree everywhere (else the same
+  `ValueError` on every rank). Integers are summed as int64, floats as float64.
 
   Args:
-    metrics: pytree of scalars or arrays, e.g. ``{"loss_sum": ..., "correct": ...,
-      "count": ...}``; jax arrays are fetched to the host.
-    comm: the `Communicator`.
-
-  Returns:
-    The same structure holding numpy int64/float64 global sums.
+    metrics: pytree of scalars or arrays, e.g. ``{"loss_sum": ..., "count": ...}``.
 
   Example:
     >>> local = {"correct": 90, "count": 100}    # this rank's shard
@@ -70,35 +58,20 @@ def global_mean(totals: Mapping[str, Any], count_key: str = "count") -> dict[str
 def mean_metrics(metrics: Any, comm: Communicator, *, weight: Any = 1) -> Any:
   """The global mean of per-rank mean metrics: ``jax.lax.pmean`` over ranks, on the host.
 
-  For a step ported from flax's ``metrics = jax.lax.pmean(metrics, axis_name="batch")``:
-  drop the ``pmean`` from the step and call this on what the step returns, on every rank,
-  outside `jax.jit`. Each leaf is averaged over ranks weighted by `weight`, this rank's
-  number of examples: ``sum_r weight_r * value_r / sum_r weight_r`` in float64, the exact
-  mean over every example of every rank even when ranks hold different numbers of them (a
-  rank with none passes 0; its values, NaN or not, are left out). A leaf that is bitwise
-  equal on every rank (a learning rate, a step count, a metric already reduced over the
-  ``xla`` kind's global axis) comes back as it is, not rounded through an average.
-
-  The tree must have the same structure and shapes on every rank (checked first: a
-  mismatch raises the same `ValueError` everywhere). Scalars come back as Python numbers,
-  arrays as numpy (float64 where averaged). For sums and counts use `allreduce_metrics`;
-  per-device outputs of `mnjax.data_parallel` (one row per local device) need that axis
-  reduced first (e.g. ``jax.lax.pmean(metrics, comm.axis_name)`` kept inside the step, or
-  ``x.mean(0)`` on the rows of equal batches).
+  For a step ported from flax's ``jax.lax.pmean(metrics, axis_name="batch")``: drop the
+  ``pmean`` and call this on the step's output, on every rank, outside `jax.jit`. Each leaf
+  becomes ``sum_r weight_r * value_r / sum_r weight_r`` in float64 (a rank with weight 0 is
+  left out, NaNs too); a leaf bitwise equal on every rank comes back as it is. Per-device
+  outputs of `mnjax.data_parallel` need their device axis reduced first.
 
   Args:
-    metrics: pytree of numbers: per-rank means (loss, accuracy) and anything else the step
-      reports (learning rate); jax arrays are fetched to the host.
-    comm: the `Communicator`.
-    weight: this rank's number of examples behind its means (a finite number >= 0);
-      the default 1 on every rank averages ranks equally, as ``pmean`` does.
-
-  Returns:
-    The same structure holding the global means.
+    metrics: pytree of numbers, the same structure and shapes on every rank.
+    weight: this rank's number of examples behind its means (finite, >= 0); the default 1
+      averages ranks equally, as ``pmean`` does.
 
   Raises:
-    ValueError: on every rank, if some rank's `weight` is not a finite number >= 0, or
-      the weights sum to 0.
+    ValueError: on every rank, if the trees differ, some rank's `weight` is not a finite
+      number >= 0, or the weights sum to 0.
 
   Example:
     >>> # what a step ported from flax returns, without its pmean: this rank's means
@@ -145,9 +118,7 @@ def _weight(weight: Any) -> tuple[float, bool]:
 
 
 def _weighted(value: np.ndarray, w: float) -> np.ndarray:
-  """``w * value`` in float64 (complex128 for complex); exact zeros where ``w`` is 0, so a
-  rank without examples adds nothing, not its NaNs. Non-numbers stay as they are, for
-  `check_numbers` to name."""
+  """``w * value`` in float64 (or complex128); zeros, not NaNs, where ``w`` is 0."""
   if not host.is_number(value.dtype):
     return value
   x = np.asarray(value, np.result_type(value.dtype, np.float64))
@@ -155,9 +126,7 @@ def _weighted(value: np.ndarray, w: float) -> np.ndarray:
 
 
 def _same_on_every_rank(values: list[np.ndarray], comm: Communicator) -> list[bool]:
-  """Per leaf, whether it is bitwise equal on every rank: one allreduce(MAX) of each leaf's
-  64-bit digest ``d`` and of ``~d``, since ``~max(~d) = min(d)`` equals ``max(d)`` exactly
-  when every rank has the same ``d``."""
+  """Per leaf, bitwise equal on every rank: ``max(d) == ~max(~d)`` of its 64-bit digest ``d``."""
   if comm.size == 1 or not values:
     return [True] * len(values)
   words = np.array([int(leaf_digest(v, digest_size=8), 16) for v in values], np.uint64)

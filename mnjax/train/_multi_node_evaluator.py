@@ -1,11 +1,4 @@
-"""`generic_multi_node_evaluator`: metrics that do not add up, over every rank's shard.
-
-For metrics that are not sums (a median, an AUC, BLEU), as ChainerMN's
-``GenericMultiNodeEvaluator``: each rank runs ``calc_local`` on its own batches (any number),
-one gather brings every result to the root (or every rank, ``root=None``) in ChainerMN's order
-(round by round, rank by rank), and ``aggregate`` runs there. A ``calc_local`` that raised on
-any rank is the same error on every rank, before the results move.
-"""
+"""`generic_multi_node_evaluator`: metrics that do not add up, over every rank's shard."""
 
 from __future__ import annotations
 
@@ -32,25 +25,15 @@ def generic_multi_node_evaluator(
   """An evaluator: ``evaluator(batches)`` runs `calc_local` on each of this rank's batches
   and `aggregate` on all ranks' results (ChainerMN's ``GenericMultiNodeEvaluator``).
 
-  Each batch is passed as ChainerMN's converter output is: a tuple as ``calc_local(*batch)``,
-  a dict as ``calc_local(**batch)``, anything else as ``calc_local(batch)``. Results (any
-  picklable value, e.g. a pytree of jax arrays: fetched to the host) are ordered by round,
-  then rank: rank 0's first, rank 1's first, ..., rank 0's second, ...; a rank whose batches
-  ran out adds nothing. Ranks may hold different numbers of batches, so `calc_local` must
-  not communicate (it runs a different number of times per rank). Calling the evaluator is
-  collective (two rounds: the ranks' errors, then the results).
+  A tuple batch is passed as ``calc_local(*batch)``, a dict as ``calc_local(**batch)``; results
+  are ordered by round, then rank. `calc_local` must not communicate. Calling the evaluator is
+  collective; an error in `calc_local` on one rank raises `RuntimeError` on every rank.
 
   Args:
-    comm: the `Communicator`.
     calc_local: a batch's result (e.g. a jitted forward pass returning predictions).
-    aggregate: ``aggregate(results) -> value``, run once on `root` (on every rank with
-      ``root=None``); default: the list of results itself.
-    root: the rank that aggregates (the others' evaluator returns None), or None: every
-      rank. The same on every rank (compared when the evaluator is built).
-
-  Returns:
-    ``evaluator(batches)``: `aggregate`'s value on the root (every rank if ``root=None``),
-    None on the other ranks.
+    aggregate: ``aggregate(results) -> value``; default: the list of results itself.
+    root: the rank whose evaluator returns `aggregate`'s value (the others: None), or None:
+      every rank.
 
   Example:
     >>> x = np.arange(10.0)

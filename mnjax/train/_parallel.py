@@ -1,14 +1,4 @@
-"""Run a per-device step over this process's local devices (the multi-device kinds).
-
-With ``flat`` a process drives one device and the user's step is simply jitted. With
-``hierarchical``, ``two_dimensional``, ``single_node`` and ``xla`` one process drives all its
-local devices: `data_parallel` maps the step over them with `jax.shard_map` (axis
-``comm.axis_name``; for ``xla`` the mesh spans every device of every process), splitting the
-batch arguments along their leading axis and replicating everything else (parameters,
-optimizer state); the cross-process MPI call sits inside the one mapped program (why:
-docs/design/multi_device.md). A user reduction over the same axis left from a pmap script is
-refused unless traced inside `mnjax.process_local`.
-"""
+"""Run a per-device step over this process's local devices (docs/design/multi_device.md)."""
 
 from __future__ import annotations
 
@@ -39,30 +29,17 @@ def data_parallel(
 ) -> Callable[..., Any]:
   """A jitted version of the per-device step `fn` that runs on every local device.
 
-  Outputs of `fn` must be the same on all devices, except those listed in
-  `per_device_outputs`: they come back stacked along a new leading axis, one row per local
-  device (``flat``: one row), as ``jax.pmap`` returns them.
-
-  Before the step first runs, the ranks compare its in-step collectives and its whole
-  program (one small allgather per trace); a difference is a `ValueError` on every rank.
-  Values that must differ per rank go in as arguments. A leftover collective over
-  ``comm.axis_name`` is refused unless inside `mnjax.process_local`.
+  Before the first run the ranks compare the step's collectives and program (a difference is a
+  `ValueError` on every rank); a collective over ``comm.axis_name`` needs `mnjax.process_local`.
 
   Args:
     fn: ``fn(*args)``, written for one device and one device's share of the batch.
     comm: the `Communicator`; for ``flat`` the result is just ``jax.jit(fn)``.
-    batch_argnums: positions (ints >= 0) of the arguments whose leaves are split along axis
-      0 across the local devices (this process's batch); the others are replicated. A
-      position past the arguments of a call is a `ValueError` at that call (every kind).
-    per_device_outputs: positions (ints >= 0) in `fn`'s output tuple that differ per
-      device; `fn` must then return a tuple.
-    check_program: compare the traced program across ranks (default). False skips that
-      round, for a step whose program really differs per rank (the collective sequence is
-      still compared).
-
-  Returns:
-    ``step(*args)``; batch arguments hold this process's examples and must split evenly
-    over ``comm.local_device_count`` devices (a `ValueError` says so before anything runs).
+    batch_argnums: positions of the arguments (this process's batch) split evenly along
+      axis 0 across the local devices; the others are replicated.
+    per_device_outputs: positions in `fn`'s output tuple that differ per device; they come
+      back stacked, one row per local device, as ``jax.pmap`` returns them.
+    check_program: False skips the program comparison (the collectives are still compared).
 
   Example:
     >>> comm = mnjax.create_communicator("hierarchical")   # this process's devices
@@ -73,9 +50,6 @@ def data_parallel(
     >>> total, per_device = step(jnp.zeros(()), x)
     >>> float(total) == comm.size * float(x.sum()), per_device.shape == (comm.local_device_count,)
     (True, True)
-
-    A training step: ``step = mnjax.data_parallel(train_step, comm, batch_argnums=(1, 2))``,
-    then ``state, metrics = step(state, images, labels)`` with this process's batch.
   """
   check_communicator(comm, "data_parallel")
   if not isinstance(check_program, bool):
@@ -220,11 +194,7 @@ class _XlaShardings(NamedTuple):
 
 
 def _global(args: tuple, batch_argnums: tuple, shardings: _XlaShardings) -> list:
-  """``xla``: this process's arguments as global arrays over every device of the job.
-
-  Batch arguments hold this process's rows of the global batch (process-major, matching
-  `mnjax.epoch_batches`); the other arguments are the same on every process (replicated).
-  """
+  """``xla``: this process's arguments as global arrays (batch rows process-major)."""
 
   def replicate(leaf):
     leaf = jax.device_put(leaf, shardings.local)  # one copy per local device
@@ -249,9 +219,7 @@ def _global_shapes(args: tuple, batch_argnums: tuple, comm: Communicator) -> lis
 
 
 def _local(out: Any, per_device_outputs: tuple) -> Any:
-  """``xla``: global outputs back to ordinary arrays on this process, so that host code
-  (metrics, evaluation, checkpoints) treats every kind alike: replicated outputs from the
-  first local device, per-device outputs as this process's rows stacked in device order."""
+  """``xla``: global outputs back to this process's arrays, as the other kinds return them."""
 
   def rows(a):
     shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start)

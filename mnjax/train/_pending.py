@@ -1,9 +1,4 @@
-"""Double buffering's pending gradients, made whole before a checkpoint (`flush_pending`).
-
-`mnjax.Checkpointer` saves rank 0's state, but each replica's pending gradient is its own:
-`flush_pending` replaces them by their global sum, between steps, with one small
-`data_parallel` program.
-"""
+"""Double buffering's pending gradients, made whole before a checkpoint (`flush_pending`)."""
 
 from __future__ import annotations
 
@@ -27,15 +22,11 @@ def _is_state(x: Any) -> bool:
 
 
 def flush_pending(opt_state: Any, comm: Communicator) -> Any:
-  """`opt_state` with every double-buffered pending gradient replaced by its sum over
-  all replicas (marked ``reduced``): the same on every rank and device, so that
-  `mnjax.Checkpointer` (rank 0 writes; restore broadcasts) keeps it whole.
+  """`opt_state` with every double-buffered pending gradient replaced by its sum over all
+  replicas (marked ``reduced``), so that `mnjax.Checkpointer` (rank 0 writes) keeps it whole.
 
-  Collective: call on every rank between steps, with the state the last step returned. The
-  next step applies the flushed sum instead of its own exchange's result; train on with the
-  returned state (`lab.runner.train_loop` does, before every checkpoint), so that a run
-  resumed from it is bitwise the uninterrupted one. (The flushed sum is a float32-exact
-  exchange on its own buckets: within rounding of what the step would have exchanged.)
+  Collective: call on every rank between steps and train on with the returned state, so a
+  run resumed from the checkpoint is bitwise the uninterrupted one.
 
   Example:
     >>> tx = mnjax.create_multi_node_optimizer(optax.sgd(0.1), comm, double_buffering=True)
@@ -59,9 +50,7 @@ def flush_pending(opt_state: Any, comm: Communicator) -> Any:
 
 @functools.cache
 def _summing(comm: Communicator) -> Callable[[Any], Any]:
-  """Global sums of a list of pending trees, each device reducing its own (mapped for the
-  multi-device kinds). An already flushed tree is the same everywhere: summing it again
-  would multiply it, so it is kept."""
+  """Global sums of a list of pending trees; an already flushed tree is kept as it is."""
   def total(pendings):
     sums = collectives.allreduce_tree([p for p, _ in pendings], comm, mean=False,
                                       bucket_bytes=None)

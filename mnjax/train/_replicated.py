@@ -1,12 +1,4 @@
-"""Which outputs of a per-device step may differ across the local devices (a jaxpr analysis).
-
-Under the multi-device kinds an output not listed in ``per_device_outputs`` comes back as local
-device 0's value. `varying_outputs` finds outputs that may differ per device from the
-per-device jaxpr, by a conservative forward data flow: batch inputs and ``axis_index`` are
-varying; ``psum``/``pmax``/``pmin``/``all_gather``/``pbroadcast`` over the axis make their
-results invariant; other primitives are varying iff an operand is; nested programs are
-followed. The rules: docs/design/multi_device.md.
-"""
+"""Which outputs of a per-device step may differ across devices (docs/design/multi_device.md)."""
 
 from __future__ import annotations
 
@@ -21,15 +13,13 @@ from mnjax.guard._program import open_jaxpr as _open
 
 __all__ = ["varying_outputs"]
 
-#: Collectives whose result is the same on every device of the axes they reduce over, and
-#: the parameter that names those axes.
+#: Collectives whose result is the same over the axes they reduce, and the parameter naming them.
 _INVARIANT_OVER = {"psum": "axes", "pmax": "axes", "pmin": "axes", "psum_invariant": "axes",
                    "all_gather": "axis_name", "all_gather_invariant": "axis_name",
                    "pbroadcast": "axis_name"}
 #: Parameters by which a primitive names the mapped axes it works over.
 _AXIS_PARAMS = ("axes", "axis_name")
-#: Primitives that name an axis but compute elementwise on their operand (type markers of
-#: ``check_vma=True``): the operand rule holds.
+#: Primitives naming an axis that compute elementwise (``check_vma=True``'s type markers).
 _MARKERS = frozenset({"pvary"})
 #: Primitives whose results may differ with the same operands.
 _IMPURE = frozenset({"io_callback"})
@@ -45,16 +35,9 @@ def varying_outputs(closed_jaxpr: Any, varying_inputs: Sequence[bool],
   """For each output of a per-device jaxpr, whether it may differ across `axis_name`.
 
   Args:
-    closed_jaxpr: the per-device program, traced with `axis_name` bound (``jax.make_jaxpr``
-      inside ``jax.shard_map``, or with ``axis_env``): a ``ClosedJaxpr``, or an open
-      ``Jaxpr`` (a ``shard_map`` equation's ``jaxpr`` parameter).
-    varying_inputs: one bool per input (flattened arguments, in order): True for the leaves
-      of the batch arguments, which hold each device's own examples.
+    closed_jaxpr: the per-device program traced with `axis_name` bound, closed or open.
+    varying_inputs: one bool per flattened input: True for the batch arguments' leaves.
     axis_name: the mapped axis (``comm.axis_name``).
-
-  Returns:
-    One bool per output (flattened, in order): True when it may differ between devices,
-    False when it is provably the same on every device.
 
   Example:
     >>> def step(w, x):                         # w replicated, x: this device's examples

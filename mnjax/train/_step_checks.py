@@ -1,13 +1,4 @@
-"""Every check `mnjax.data_parallel` makes of a traced step before it first runs, in one place.
-
-`check_step` runs them in order: the step's meaning under pmap (`check_local_collectives`
-refuses a leftover ``lax.pmean(x, "batch")`` that would reduce over
-this process's devices only (`process_local` marks one that is meant);
-`check_replicated_outputs` refuses a per-device output not listed in ``per_device_outputs``),
-then the ranks' agreement: the same in-step collectives (`mnjax.guard._preflight`) and the
-same program (`mnjax.guard._program`). `trace` records the step's collectives while it
-traces it, and under ``flat`` turns JAX's unbound-axis error into one with the fix.
-"""
+"""Every check `mnjax.data_parallel` makes of a traced step before it first runs (`check_step`)."""
 
 from __future__ import annotations
 
@@ -33,12 +24,8 @@ PROCESS_LOCAL_SCOPE = "mnjax_process_local"
 def process_local():
   """A scope for collectives over ``comm.axis_name`` meant for this process's devices only.
 
-  Under the multi-device kinds other than ``xla``, `data_parallel` maps the step over this
-  process's devices only, so a ``jax.lax.pmean(x, comm.axis_name)`` or a flax
-  ``nn.BatchNorm(axis_name=comm.axis_name)`` would reduce over them alone, where under a
-  multi-host ``pmap`` it spanned every device of every host. `data_parallel` refuses such
-  collectives unless they are traced inside this scope, which says the local reduction is
-  meant (e.g. BatchNorm statistics per process, ChainerMN's per-rank BatchNorm).
+  Except under ``xla`` such a collective (``jax.lax.pmean``, a flax ``BatchNorm``) spans this
+  process's devices only, unlike ``pmap``'s; `data_parallel` refuses it outside this scope.
 
   Example:
     >>> comm = mnjax.create_communicator("hierarchical")
@@ -53,8 +40,7 @@ def process_local():
 
 
 def trace(fn: Callable[..., Any], args: tuple, comm: Communicator) -> tuple:
-  """``jax.make_jaxpr(fn, return_shape=True)(*args)``, with a leftover pmap collective over
-  ``comm.axis_name`` under ``flat`` (an unbound axis there) refused with the fix."""
+  """``jax.make_jaxpr(fn, return_shape=True)(*args)``; under ``flat``, a pmap leftover refused."""
   try:
     return jax.make_jaxpr(fn, return_shape=True)(*args)
   except NameError as error:
@@ -89,15 +75,13 @@ def check_local_collectives(closed: Any, comm: Communicator) -> None:
         " mnjax.process_local():`.")
 
 
-#: State that keeps each device's own values by design (double buffering's pending gradient,
-#: accumulation's partial sums): not refused as varying outputs (see their own checks).
+#: State that keeps each device's own values by design, not refused as a varying output.
 _PER_DEVICE_STATE = (PendingGradient, AccumulationState)
 
 
 def check_replicated_outputs(closed: Any, args: tuple, shapes: Any, comm: Communicator,
                               batch_argnums: tuple, per_device_outputs: tuple) -> None:
-  """Refuses outputs that may differ across the local devices but come back as device 0's
-  (`mnjax.train._replicated.varying_outputs`), naming the first few and the fix."""
+  """Refuses outputs that may differ across the local devices but come back as device 0's."""
   varying_in = [i in batch_argnums
                 for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
   varying = replicated.varying_outputs(closed, varying_in, comm.axis_name)
@@ -135,10 +119,7 @@ def arg_paths(args: tuple) -> list[str]:
 def check_step(closed: Any, args: tuple, shapes: Any, comm: Communicator, collectives: list,
                *, agreed: set, batch_argnums: tuple, per_device_outputs: tuple,
                check_program: bool) -> None:
-  """Every check of a traced step (`closed`, its output `shapes`, the in-step `collectives`
-  recorded while tracing), in order; raises the first problem, on every rank where the
-  ranks disagree. `agreed` holds the collective sequences this step's ranks agreed on.
-  """
+  """Every check of a traced step, in order; `agreed`: sequences the ranks agreed on."""
   check_local_collectives(closed, comm)
   if comm.multi_device:
     check_replicated_outputs(closed, args, shapes, comm, batch_argnums, per_device_outputs)

@@ -1,11 +1,5 @@
-"""The round every host collective starts with: every rank's value compared, cheaply.
-
-`gather_if_different` allgathers a 16-byte hash of ``(operation, value)``; the records travel
-only on a mismatch, and the operation is compared first, so every rank raises the same error.
-`check_same_tree` runs that round on a tree's containers, signature and the call's arguments.
-Collectives whose arguments differ by rank instead have each rank *describe* its call
-(`everyone`); every rank validates the same list with the same code (`check_call`).
-"""
+"""The round every host collective starts with: every rank's value compared by hash, or every
+rank's call described and validated alike (docs/design/failures.md)."""
 
 from __future__ import annotations
 
@@ -32,13 +26,8 @@ _HASH_BYTES = 16
 def gather_if_different(comm: Any, operation: str, value: Any, *,
                         timeout: float | None = None, timeout_message: str = "",
                         what: str = "a host collective") -> list[Any] | None:
-  """None when every rank passed an equal `value` to the same `operation`; otherwise every
-  rank's value, once every rank is known to be in the same `operation`.
-
-  Collective over ``comm.mpi_comm``; `value` needs a deterministic ``repr``. Different
-  operations raise the same `ValueError` on every rank. With `timeout`, a longer wait raises
-  `TimeoutError` with `timeout_message`; a rank that finished its program meanwhile is a
-  `RuntimeError` naming it and `what`.
+  """None when every rank passed an equal `value` (by ``repr``) to the same `operation`, else
+  every rank's value. Different operations: `ValueError`; past `timeout`: `TimeoutError`.
 
   Example:
     >>> gather_if_different(comm, "my_check", tree_signature({"w": np.zeros(3)})) is None
@@ -61,8 +50,7 @@ def gather_if_different(comm: Any, operation: str, value: Any, *,
 
 
 def check_same_operation(operations: list[str], mpi_comm: Any) -> None:
-  """Raises the same `ValueError` on every rank unless every rank's record names the same
-  operation (``operations[r]``: rank ``r`` of `mpi_comm`).
+  """The same `ValueError` on every rank unless `operations` (by rank) are all the same.
 
   Example:
     >>> check_same_operation(["broadcast", "bcast_obj"], MPI.COMM_SELF)
@@ -136,8 +124,7 @@ def check_same_tree(tree: Any, comm: Any, caller: str, *, root: int = 0,
 
 
 def everyone(comm: Any, operation: str, mine: Any, what: str) -> list[Any]:
-  """Every rank's `mine`, by rank, once every rank is in `operation` (collective). `mine`
-  must have a deterministic ``repr``.
+  """Every rank's `mine` (deterministic ``repr``), by rank, once all are in `operation`.
 
   Example:
     >>> everyone(comm, "bcast", ("bcast", 0), "bcast's check") == [("bcast", 0)] * comm.size
@@ -148,8 +135,7 @@ def everyone(comm: Any, operation: str, mine: Any, what: str) -> list[Any]:
 
 
 def array_signature(x: Any) -> tuple[str, tuple[int, ...], str] | tuple[str, str]:
-  """``("array", shape, dtype)`` for an array or a number; ``("bad", type name)`` for
-  anything else (described, not raised: every rank raises once all descriptions are in).
+  """``("array", shape, dtype)`` for an array or a number, else ``("bad", type name)``.
 
   Example:
     >>> array_signature(jnp.zeros((2, 3))), array_signature("x")
@@ -171,8 +157,7 @@ def to_dtype(name: str) -> np.dtype:
 
 
 def group_note(mpi_comm: Any) -> str:
-  """'' when `mpi_comm`'s ranks are the job's own; otherwise which world rank each of its
-  ranks is, for a message that numbers the ranks of a group (a data or model communicator).
+  """'' for the job's own ranks; else each rank's world rank, for messages about a group.
 
   Example:
     >>> group_note(MPI.COMM_WORLD)
@@ -230,9 +215,8 @@ def describe_root(root: Any) -> tuple:
 
 
 def check_call(described: list[tuple], caller: str, size: int) -> int | None:
-  """Raises the same `ValueError` on every rank unless every rank's ``(op, root, limit,
-  body)`` description names the same operation, the same valid root (``None``: the
-  operation has none) and the same message limit. Returns the root.
+  """The root (None: the operation has none); the same `ValueError` on every rank unless the
+  ``(op, root, limit, body)`` descriptions agree on the operation, a valid root and the limit.
 
   Example:
     >>> check_call([("bcast", ("int", 0), 8, ())] * comm.size, "bcast", comm.size)

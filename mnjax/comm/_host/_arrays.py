@@ -1,11 +1,5 @@
-"""Host-side collectives on arrays (ChainerMN's ``comm.send``, ``bcast``, ``gather``, ...).
-
-Arrays travel as raw bytes, so every numpy dtype keeps its bits; results are numpy arrays.
-The collectives first agree on every rank's operation, root, shapes and dtypes (shapes may
-differ for `gather`, `allgather`, `alltoall`); a mismatch is the same `ValueError` on every
-rank before any byte moves. `send` / `recv` carry a header with the shapes; a wrong peer or
-tag is an error on the rank that passed it.
-"""
+"""Host-side collectives on arrays (ChainerMN's ``comm.send``, ``bcast``, ``gather``, ...), as
+raw bytes (every dtype keeps its bits), each checked on every rank before any byte moves."""
 
 from __future__ import annotations
 
@@ -42,8 +36,7 @@ def _nbytes(signature: tuple) -> int:
 
 
 def send(x: Any, comm: Any, dest: int, tag: int = 0) -> None:
-  """Sends the pytree of arrays `x` to rank `dest`, which receives it with `recv`.
-  Host-side and blocking: returns once `dest` has begun receiving.
+  """Sends the pytree of arrays `x` to rank `dest`'s `recv`; returns once it begins receiving.
 
   Example:
     >>> if comm.size > 1 and comm.rank == 0:        # rank 0 -> rank 1
@@ -87,8 +80,7 @@ def recv(comm: Any, source: int, tag: int = 0) -> Any:
 
 
 def bcast(x: Any, comm: Any, root: int = 0) -> np.ndarray:
-  """`root`'s array on every rank (ChainerMN's ``comm.bcast``). The other ranks pass None
-  or an array of the same shape and dtype (checked). Collective.
+  """`root`'s array on every rank; the others pass None or an array like it (collective).
 
   Example:
     >>> x = np.arange(3.0) if comm.rank == 0 else None
@@ -146,8 +138,7 @@ def _exchange(comm: Any, op: str, sends: list[np.ndarray], recv_sizes: list[int]
 
 
 def gather(x: Any, comm: Any, root: int = 0) -> tuple[np.ndarray, ...] | None:
-  """Every rank's array, by rank, on `root` (None elsewhere; ChainerMN's ``comm.gather``).
-  Shapes may differ between ranks; dtypes must agree. Collective.
+  """Every rank's array (shapes may differ, one dtype), by rank, on `root`; None elsewhere.
 
   Example:
     >>> got = comm.gather(np.full(2, comm.rank), root=0)
@@ -172,8 +163,7 @@ def gather(x: Any, comm: Any, root: int = 0) -> tuple[np.ndarray, ...] | None:
 
 
 def allgather(x: Any, comm: Any) -> tuple[np.ndarray, ...]:
-  """Every rank's array, by rank, on every rank (ChainerMN's ``comm.allgather``). Shapes
-  may differ between ranks; dtypes must agree. Collective.
+  """Every rank's array (shapes may differ, one dtype), by rank, on every rank.
 
   Example:
     >>> [a.tolist() for a in comm.allgather(np.full(2, comm.rank))] == [
@@ -192,8 +182,7 @@ def allgather(x: Any, comm: Any) -> tuple[np.ndarray, ...]:
 
 
 def _parts(xs: Any, size: int) -> tuple[list[Any] | None, tuple]:
-  """`xs` as `size` parts (a sequence, or an array split on its first axis) and their
-  description, or ``(None, problem)``."""
+  """`xs` as `size` parts (a sequence, or an array's first axis) and their description."""
   if isinstance(xs, (jax.Array, np.ndarray)) and np.ndim(xs) > 0:
     parts = [xs[i] for i in range(np.shape(xs)[0])]
   elif isinstance(xs, Sequence) and not isinstance(xs, (str, bytes)):
@@ -220,9 +209,8 @@ def _check_parts(bodies: list[tuple], ranks: list[int], caller: str, size: int) 
 
 
 def alltoall(xs: Any, comm: Any) -> tuple[np.ndarray, ...]:
-  """``xs[j]`` to rank ``j``; returns the parts meant for this rank, by source rank
-  (ChainerMN's ``comm.alltoall``). `xs`: ``comm.size`` arrays (shapes may differ, one
-  dtype) or an array whose first axis has length ``comm.size``. Collective.
+  """``xs[j]`` to rank ``j``; returns the parts sent here, by source rank. `xs`: ``comm.size``
+  arrays (shapes may differ, one dtype) or an array with ``comm.size`` rows.
 
   Example:
     >>> xs = [np.full(2, 10 * comm.rank + j) for j in range(comm.size)]
@@ -245,9 +233,7 @@ def alltoall(xs: Any, comm: Any) -> tuple[np.ndarray, ...]:
 
 
 def scatter(xs: Any, comm: Any, root: int = 0) -> np.ndarray:
-  """Part ``j`` of `root`'s `xs` on rank ``j`` (ChainerMN's ``comm.scatter``). On `root`,
-  `xs` is ``comm.size`` arrays (shapes may differ, one dtype) or an array whose first axis
-  has length ``comm.size``; elsewhere it is ignored (pass None). Collective.
+  """Part ``j`` of `root`'s `xs` (as for `alltoall`; None elsewhere) on rank ``j``.
 
   Example:
     >>> xs = np.arange(2 * comm.size).reshape(comm.size, 2) if comm.rank == 0 else None

@@ -1,10 +1,5 @@
-"""Host-level collectives on pytrees, outside any trace: broadcast, exact sums, averages.
-
-`broadcast`, `allreduce` (exact sums: integers as int64, floats as float64) and
-`allreduce_persistent` (averaged running statistics). Each first runs the agreement round
-(`check_same_tree`), so a wrong tree raises the same `ValueError` on every rank, then moves
-fused numpy buffers, one per dtype, on ``comm.mpi_comm`` (never the in-step communicators).
-"""
+"""Host-level collectives on pytrees, outside any trace: `broadcast`, exact sums (`allreduce`),
+averages (`allreduce_persistent`); each checks the tree on every rank first."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ def is_number(dtype: Any) -> bool:
 
 
 def check_numbers(tree: Any, caller: str, *, floats_only: bool = False) -> None:
-  """Raises `TypeError` naming the first leaf of `tree` that is not a number (or, with
-  `floats_only`, not a real float). Call it after `check_same_tree`.
+  """Raises `TypeError` naming the first leaf that is not a number (`floats_only`: real float).
 
   Example:
     >>> check_numbers({"name": np.asarray("resnet")}, "allreduce_metrics")
@@ -52,8 +46,7 @@ def check_numbers(tree: Any, caller: str, *, floats_only: bool = False) -> None:
 
 
 def host_sum_dtype(dtype: np.dtype) -> np.dtype:
-  """The dtype `allreduce` sums `dtype` in, exactly: integers and booleans in int64, floats
-  in float64, complex in complex128; anything else stays itself.
+  """The dtype `allreduce` sums `dtype` in exactly: int64, float64 or complex128 (else itself).
 
   Example:
     >>> host_sum_dtype(np.dtype(np.int32)), host_sum_dtype(np.dtype(np.float32))
@@ -68,20 +61,8 @@ def host_sum_dtype(dtype: np.dtype) -> np.dtype:
 
 def allreduce(tree: Any, comm: Communicator, *, caller: str = "allreduce",
               floats_only: bool = False) -> Any:
-  """The sum over all ranks of every leaf of `tree`, exactly: integers and booleans as
-  int64, floats as float64 (16-bit ones too), complex as complex128.
-
-  Host-level and collective: call it on every rank, outside `jax.jit`; the trees are
-  checked on every rank first.
-
-  Args:
-    tree: pytree of scalars or arrays (jax arrays are fetched to the host).
-    comm: the `Communicator`.
-    caller: the public function on whose behalf it runs, for the messages.
-    floats_only: refuse leaves that are not real floats.
-
-  Returns:
-    The same structure holding numpy arrays (0-d for scalars) of the global sums.
+  """The exact sum over ranks of every leaf, in `host_sum_dtype`, as numpy (collective); `caller`
+  names the public function in messages; `floats_only` refuses leaves that are not real floats.
 
   Example:
     >>> totals = allreduce({"n": True, "x": np.ones(2, np.float32)}, comm)
@@ -99,19 +80,11 @@ def allreduce(tree: Any, comm: Communicator, *, caller: str = "allreduce",
 
 
 def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
-  """Returns `root`'s copy of `tree` on every rank (host-level; call outside `jax.jit`).
+  """Returns `root`'s copy of `tree` on every rank (jax arrays as jax arrays, the rest numpy).
 
-  Every rank passes a tree of the same containers, structure, shapes and dtypes, and the
-  same `root`; otherwise a `ValueError` naming the ranks is raised on every rank and nothing
-  moves. A tree holding `mnjax.shard_optimizer`'s state is refused.
-
-  Args:
-    tree: pytree of arrays (jax or numpy) or scalars.
-    comm: the `Communicator`.
-    root: the rank whose values everyone receives.
-
-  Returns:
-    A pytree like `tree`; jax arrays come back as jax arrays, everything else as numpy.
+  Call outside `jax.jit`, on every rank, with the same `root` and a tree of the same
+  containers, structure, shapes and dtypes; otherwise every rank raises a `ValueError` naming
+  the ranks, and nothing moves. `mnjax.shard_optimizer`'s state is refused.
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
@@ -148,7 +121,6 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
   if comm.size == 1:
     return tree
   out: list[Any] = list(arrays)
-  # Host transfers move raw bytes, so every numpy dtype travels as itself.
   for group in group_by_dtype([a.dtype for a in arrays], key=lambda dtype: dtype):
     members = [arrays[i] for i in group.positions]
     buf = (fuse(members) if comm.rank == root
@@ -162,13 +134,9 @@ def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:
 
 
 def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
-  """The mean over ranks of every float leaf of `tree` (ChainerMN's ``AllreducePersistent``);
-  integer and bool leaves pass through unchanged, checked to be equal on every rank.
-
-  For per-rank ``nn.BatchNorm`` statistics, before evaluating or saving. Host-level and
-  collective; trees are checked on every rank first. Sums run in float64; each leaf keeps
-  its dtype. Integer and bool leaves that differ between ranks raise a `ValueError` on
-  every rank naming the first one.
+  """The mean over ranks of every float leaf of `tree` (ChainerMN's ``AllreducePersistent``),
+  e.g. BatchNorm statistics; sums in float64, each leaf keeps its dtype. Integer and bool
+  leaves pass through; differing ones raise a `ValueError` on every rank. Collective.
 
   Example:
     >>> stats = {"mean": jnp.full(2, float(comm.rank)), "count": np.int32(7)}  # per rank
@@ -202,8 +170,7 @@ def allreduce_persistent(tree: Any, comm: Communicator) -> Any:
 
 def _check_equal_leaves(named: list[tuple[str, np.ndarray]], comm: Communicator,
                         caller: str) -> None:
-  """Raises the same `ValueError` on every rank unless all hold equal ``(path, array)``
-  leaves."""
+  """The same `ValueError` on every rank unless all hold equal ``(path, array)`` leaves."""
   digests = tuple(hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=8).hexdigest()
                   for _, a in named)
   shown = tuple(a.tolist() if a.size <= 4 else f"{a.dtype}{list(a.shape)} hashing to {d}"

@@ -1,8 +1,4 @@
-"""Per-leaf digests: is a tree still bitwise the same, leaf by leaf?
-
-A digest is a BLAKE2b hash of one leaf's shape, dtype and bytes, used by `mnjax.check_replicas`
-(`compare_across_ranks`) and `mnjax.Checkpointer` (`compare_digests`).
-"""
+"""Per-leaf BLAKE2b digests of shape, dtype and bytes: is a tree bitwise the same, leaf by leaf?"""
 
 from __future__ import annotations
 
@@ -36,9 +32,7 @@ def leaf_digest(array: Any, digest_size: int = 16) -> str:
 def tree_digests(tree: Any, *, digest_size: int = 16,
                  copies: Callable[[Any], Sequence[np.ndarray]] | None = None
                  ) -> dict[str, list[str]]:
-  """``{leaf path: [digest of each copy]}`` for every leaf of `tree`.
-
-  `copies(leaf)` lists the copies to hash (e.g. one per local device); default: the leaf.
+  """``{leaf path: [digest of each copy]}``; `copies(leaf)` lists the copies (default: the leaf).
 
   Example:
     >>> tree_digests({"w": np.zeros(2)}, digest_size=8)      # 16 hex digits per copy
@@ -51,10 +45,8 @@ def tree_digests(tree: Any, *, digest_size: int = 16,
 
 def compare_digests(reference: Mapping[str, Sequence[str]],
                     other: Mapping[str, Sequence[str]]) -> dict[str, str]:
-  """The leaves where `other` differs from `reference`, by path, in sorted order.
-
-  Every copy in `other` is compared with the reference's first; the value is ``"lacks it"``,
-  ``"has it"``, ``""`` (its one copy differs) or ``"device [1, 3]"`` (which copies differ).
+  """The leaves, by sorted path, where a copy in `other` differs from `reference`'s first:
+  ``"lacks it"``, ``"has it"``, ``""`` (its one copy differs) or ``"device [1, 3]"``.
 
   Example:
     >>> compare_digests({"['w']": ["ab"]}, {"['w']": ["ab", "cd"]})
@@ -74,13 +66,8 @@ def compare_digests(reference: Mapping[str, Sequence[str]],
 
 def compare_across_ranks(mine: Mapping[str, Sequence[str]],
                          comm: Communicator) -> tuple[dict[str, list[str]], int]:
-  """Every rank's digests compared with rank 0's, the same result on every rank.
-
-  Collective on ``comm.mpi_comm``; rank 0 is compared with itself too.
-
-  Returns:
-    ``({leaf path: ["rank 2", "rank 0 device [1]", "rank 1 lacks it", ...]}, number of
-    leaves rank 0 has)``; the dict is empty when everything agrees.
+  """Every rank's digests compared with rank 0's (collective; the same result everywhere):
+  ``({leaf path: ["rank 2", "rank 0 device [1]", ...]}, rank 0's leaf count)``, {} if all agree.
 
   Example:
     >>> compare_across_ranks(tree_digests({"w": np.zeros(2), "b": np.ones(2)}), comm)

@@ -1,8 +1,4 @@
-"""Fused numpy buffers, one per dtype: one MPI call per dtype, not one per leaf.
-
-`fuse` lays arrays end to end in one 1-D buffer, `split` cuts it back into views, and
-`reduce_arrays` is the host reduction over ``comm.mpi_comm`` built on them.
-"""
+"""Fused numpy buffers, one per dtype: one MPI call per dtype, not one per leaf."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ __all__ = ["fuse", "reduce_arrays", "split"]
 
 
 def fuse(arrays: Sequence[np.ndarray], dtype: Any = None) -> np.ndarray:
-  """A new 1-D buffer: the arrays raveled, cast to `dtype` (default: the first one's), end
-  to end. The inverse of `split`.
+  """A new 1-D buffer of the arrays raveled end to end, cast to `dtype` (default: the first's).
 
   Example:
     >>> fuse([np.ones((2, 2)), np.zeros(3, np.int32)], np.float64).shape
@@ -48,9 +43,8 @@ def split(buf: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 def reduce_arrays(arrays: Sequence[np.ndarray], comm: Communicator,
                   op: MPI.Op = MPI.SUM) -> list[np.ndarray]:
-  """The reduction (`op`) over ranks of every array, in its own dtype: one fused buffer
-  and one MPI call per dtype, in first-appearance order. Collective; no checks (every rank
-  must pass the same shapes and dtypes: see `check_same_tree`). The inputs are not changed.
+  """The reduction (`op`) over ranks of every array in its own dtype, one MPI call per dtype
+  (collective). Unchecked: every rank passes the same shapes and dtypes (`check_same_tree`).
 
   Example:
     >>> ones, counts = reduce_arrays([np.ones(3), np.arange(2)], comm)

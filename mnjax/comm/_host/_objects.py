@@ -1,11 +1,5 @@
-"""Host-side collectives on picklable objects (ChainerMN's ``comm.send_obj``, ``bcast_obj``,
-``gather_obj``, ``allreduce_obj``).
-
-Each object is pickled and moves as bytes in pieces MPI can count, so objects above 2**31 - 1
-bytes travel too. The collectives first agree on the operation, the root and every object's
-pickled size: a mismatch, or an object that does not pickle, is the same `ValueError` on
-every rank before any byte moves.
-"""
+"""Host-side collectives on picklable objects (ChainerMN's ``comm.send_obj``, ``bcast_obj``, ...),
+pickled and moved in countable pieces (any size), each checked on every rank first."""
 
 from __future__ import annotations
 
@@ -39,8 +33,7 @@ def _check_pickled(bodies: list[tuple], ranks: list[int], caller: str) -> None:
 
 
 def send_obj(obj: Any, comm: Any, dest: int, tag: int = 0) -> None:
-  """Sends the picklable `obj` to rank `dest` (received with `recv_obj`); blocks until
-  `dest` begins receiving.
+  """Sends the picklable `obj` to rank `dest`'s `recv_obj`; returns once it begins receiving.
 
   Example:
     >>> if comm.size > 1 and comm.rank == 0:
@@ -96,8 +89,7 @@ def bcast_obj(obj: Any, comm: Any, root: int = 0) -> Any:
 
 
 def _allgathered(obj: Any, comm: Any, caller: str, root: int | None) -> list | None:
-  """Every rank's pickled `obj` (unpickled), by rank: on every rank (`root` None) or on
-  `root` only (None elsewhere)."""
+  """Every rank's `obj`, by rank: on every rank (`root` None) or on `root` (None elsewhere)."""
   payload, body = _pickled(obj)
   described = everyone(comm, caller, (caller, None if root is None else describe_root(root),
                               transport.MAX_MESSAGE_BYTES, body),
@@ -116,8 +108,7 @@ def _allgathered(obj: Any, comm: Any, caller: str, root: int | None) -> list | N
 
 
 def gather_obj(obj: Any, comm: Any, root: int = 0) -> list | None:
-  """Every rank's picklable `obj`, in a list by rank, on `root` (None elsewhere; ChainerMN's
-  ``comm.gather_obj``). Collective.
+  """Every rank's picklable `obj`, in a list by rank, on `root` (None elsewhere).
 
   Example:
     >>> got = comm.gather_obj({"rank": comm.rank}, root=0)
@@ -128,8 +119,7 @@ def gather_obj(obj: Any, comm: Any, root: int = 0) -> list | None:
 
 
 def allreduce_obj(obj: Any, comm: Any) -> Any:
-  """The sum (``+``, in rank order) of every rank's picklable `obj`, on every rank: numbers,
-  arrays, lists, `collections.Counter`s. The same result (or error) everywhere. Collective.
+  """The sum (``+``, in rank order) of every rank's picklable `obj`, on every rank (collective).
 
   Example:
     >>> comm.allreduce_obj(1) == comm.size

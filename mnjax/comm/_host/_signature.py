@@ -1,9 +1,4 @@
-"""What ranks compare about a tree before they exchange it, read locally from the tree.
-
-`leaf_paths` (leaf names), `tree_signature` (path, shape, dtype), `tree_containers`
-(container types, which paths cannot tell apart) and `shares_in` (`mnjax.shard_optimizer`
-state). Nothing here communicates.
-"""
+"""What ranks compare about a tree before they exchange it, read locally (no communication)."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ def leaf_paths(tree: Any) -> list[str]:
 
 
 def shares_in(tree: Any) -> list[str]:
-  """The paths of the `mnjax.shard_optimizer` states in `tree`, each ending in its share's
-  key (different on every rank by design).
+  """The paths of `mnjax.shard_optimizer` states in `tree`, up to their (per-rank) share key.
 
   Example:
     >>> state = {"opt": mnjax.shard_optimizer(optax.adam(0.1), comm).init({"w": jnp.ones(3)})}
@@ -47,9 +41,7 @@ def shares_in(tree: Any) -> list[str]:
 
 
 def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-  """``(leaf path, shape, dtype)`` for every leaf of `tree`, in flattening order.
-
-  Works on concrete arrays and on tracers.
+  """``(leaf path, shape, dtype)`` for every leaf of `tree` (arrays or tracers), in order.
 
   Example:
     >>> tree_signature({"w": jnp.zeros((2, 3))})
@@ -62,10 +54,7 @@ def tree_signature(tree: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
 
 
 def tree_containers(tree: Any) -> tuple[tuple[str, str], ...]:
-  """``(path, container type)`` for every inner node of `tree`, outermost first.
-
-  Tells apart what leaf paths cannot (a list from a tuple); types are named by module and
-  qualified name, so the result is the same on every rank.
+  """``(path, container type)`` of every inner node, outermost first (tells lists from tuples).
 
   Example:
     >>> tree_containers({"b": [1, 2], "w": (3,)})

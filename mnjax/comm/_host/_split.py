@@ -1,10 +1,5 @@
-"""``comm.split``'s host side: a group of ranks agreed and split (MPI's ``Comm_split``), for
-data x model parallelism.
-
-Each group is an ordinary `Communicator` with its own MPI clones. `split_group` compares the
-colors and keys across ranks (bad ones are the same `ValueError` on every rank), splits the
-MPI communicator and recomputes the group's node topology from the parent's nodes.
-"""
+"""``comm.split``'s host side: colors and keys checked on every rank, the MPI communicator
+split (``Comm_split``), and the group's node topology from the parent's nodes."""
 
 from __future__ import annotations
 
@@ -28,13 +23,8 @@ def _describe(value: Any, *, none: str) -> tuple:
 
 
 def split_group(comm: Any, color: int | None, key: int | None = None) -> tuple | None:
-  """``(group's MPI communicator, its node topology)`` for the ranks of `comm` (a
-  `Communicator`) that pass the same `color`, or None where `color` is None. Collective.
-
-  Raises:
-    ValueError: on every rank, before any group is made, where some rank's color is not
-      a non-negative int or None, or the keys are of different kinds or not ints; where the
-      kind is ``xla`` (its collectives run over jax.distributed's one global mesh).
+  """``(group's MPI communicator, node topology)`` for the ranks passing the same `color`, or
+  None; bad colors or keys, or kind ``xla``: the same `ValueError` on every rank.
 
   Example:
     >>> sub, topology = split_group(comm, color=0)

@@ -1,11 +1,5 @@
-"""Bytes between ranks, in messages MPI can count: chunked point-to-point, bcast, alltoallv.
-
-MPI counts in C ``int``s and MPI-3 libraries have no large-count calls, so every payload
-moves as raw bytes in pieces of at most `MAX_MESSAGE_BYTES` per call. The number of pieces
-follows from sizes every rank already knows, so every rank issues the same number of calls.
-Point-to-point messages are a small pickled header sent synchronously, then the pieces; both
-ends wait departure-aware. Everything travels on ``comm.mpi_comm``.
-"""
+"""Bytes between ranks in pieces of at most `MAX_MESSAGE_BYTES` (MPI counts in ``int``s), as
+many pieces on every rank: point-to-point, bcast, alltoallv."""
 
 from __future__ import annotations
 
@@ -53,11 +47,9 @@ def bcast_bytes(buf: np.ndarray, comm: Any, root: int, limit: int) -> np.ndarray
 def exchange_bytes(op: str, sends: Sequence[np.ndarray], recv_sizes: Sequence[int],
                    comm: Any, max_part: int, limit: int, root: int = 0
                    ) -> list[np.ndarray]:
-  """The bytes from each rank (``recv_sizes[i]`` from rank ``i``; zeros where nothing comes).
-
-  `op`: ``"alltoallv"`` (``sends[j]`` to rank ``j``), ``"allgatherv"`` (``sends[0]`` to
-  every rank) or ``"gatherv"`` (``sends[0]`` to `root`). `max_part`, the largest part any
-  rank sends, fixes the number of rounds of at most ``limit // comm.size`` bytes per part.
+  """The bytes from each rank (``recv_sizes[i]`` from rank ``i``). `op`: ``"alltoallv"``
+  (``sends[j]`` to rank ``j``), ``"allgatherv"`` (``sends[0]`` to all) or ``"gatherv"`` (to
+  `root`); `max_part`, the largest part any rank sends, fixes the number of rounds.
 
   Example:
     >>> [b.tolist() for b in exchange_bytes("allgatherv", [np.ones(3, np.uint8)], [3] * comm.size,
@@ -79,7 +71,7 @@ def exchange_bytes(op: str, sends: Sequence[np.ndarray], recv_sizes: Sequence[in
       sbuf = np.concatenate([s[start:start + c] for s, c in zip(sends, scounts)])
       comm.mpi_comm.Alltoallv([sbuf, (scounts, _displacements(scounts)), MPI.BYTE],
                               received_here)
-    elif op == "allgatherv":  # as Alltoallv: MPICH's Allgatherv was 5-50x slower here
+    elif op == "allgatherv":  # as Alltoallv: MPICH's Allgatherv is slower here
       comm.mpi_comm.Alltoallv(
           [sends[0][start:start + scounts[0]], ([scounts[0]] * comm.size, [0] * comm.size),
            MPI.BYTE], received_here)
@@ -135,8 +127,7 @@ class _Probe:
 
 def recv_message(comm: Any, source: int, tag: int, what: str
                  ) -> tuple[str, Any, np.ndarray, int]:
-  """``(kind, meta, payload, tag)`` of the next message from `source` with `tag`
-  (``MPI.ANY_TAG``: any), as `send_message` sent it.
+  """``(kind, meta, payload, tag)`` of `send_message`'s next message from `source` with `tag`.
 
   Example:
     >>> kind, meta, payload, tag = recv_message(comm, 0, MPI.ANY_TAG, "recv_obj")  # doctest: +SKIP

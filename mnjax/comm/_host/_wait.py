@@ -1,8 +1,4 @@
-"""The departure-aware wait of every host round: a peer that finished is named, not waited for.
-
-`wait` polls the MPI request; a peer that finished its program meanwhile is a `RuntimeError`
-naming it; with a timeout, a `TimeoutError`.
-"""
+"""The departure-aware wait of every host round: a peer that finished is named, not waited for."""
 
 from __future__ import annotations
 
@@ -14,16 +10,14 @@ from mnjax.comm import _departures as departures
 
 __all__ = ["DEPARTURE_GRACE", "wait"]
 
-#: Seconds a rank keeps waiting after learning that a peer finished: the peer may have done
-#: its part of this very collective just before it left.
+#: Seconds to keep waiting once a peer finished (it may have done its part just before).
 DEPARTURE_GRACE = 2.0
 
 
 def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = None,
          timeout: float | None = None, timeout_message: str = "") -> None:
-  """Completes `request` (anything with MPI's ``Test()``) on ``comm.mpi_comm``; raises
-  `RuntimeError` naming a rank of `peers` (default: any rank) that finished its program
-  while this rank waits in `what`, and with `timeout`, `TimeoutError` (`timeout_message`).
+  """Completes `request` (anything with ``Test()``); raises `RuntimeError` naming a rank of
+  `peers` (default: any) that finished its program, and past `timeout`, `TimeoutError`.
 
   Example:
     >>> wait(comm, comm.mpi_comm.Ibarrier(), "a barrier")

@@ -1,10 +1,4 @@
-"""In-step collectives on pytrees: fuse leaves into few flat buffers, reduce each once.
-
-`allreduce_tree` runs inside a jitted step: it packs the pytree into buffers of at most
-``bucket_bytes`` per dtype and issues one in-place MPI allreduce per buffer. On a size-1
-communicator nothing is traced. Half-precision leaves travel as float32; a half-precision
-wire (``wire_dtype``) is `mnjax.comm._instep._wire`'s.
-"""
+"""`allreduce_tree`: a pytree reduced in fused buffers, per kind (docs/design/multi_device.md)."""
 
 from __future__ import annotations
 
@@ -39,23 +33,14 @@ __all__ = [
 
 def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dtype: Any = None,
                    bucket_bytes: int | str | None = "auto") -> Any:
-  """Sums (or averages) every leaf of `tree` over all replicas; call inside a jitted step.
-
-  Leaves are packed into buffers (`plan_buckets`), each reduced once, in one order on every
-  rank. For the multi-device kinds call it inside `mnjax.data_parallel`.
+  """Sums (or averages) every leaf of `tree` over all replicas, inside a jitted step (inside
+  `mnjax.data_parallel` for multi-device kinds). Raises TypeError (non-float leaf), ValueError.
 
   Args:
-    tree: pytree of float arrays (complex too without `wire_dtype`), the same structure on
-      every rank.
-    comm: the `Communicator`.
+    tree: float (complex too without `wire_dtype`) leaves, the same structure on every rank.
     mean: divide the sum by the number of replicas (processes x local devices).
-    wire_dtype: None (leaves travel in their own precision) or ``jnp.bfloat16`` /
-      ``jnp.float16``: 16-bit traffic with float32 sums (`mnjax.comm.error_bound`).
-    bucket_bytes: the largest buffer, in wire bytes; ``"auto"``: the platform's default
-      (`default_bucket_bytes`); None: one buffer per dtype.
-
-  Returns:
-    A pytree like `tree` holding the global sum or mean.
+    wire_dtype: None, or ``jnp.bfloat16`` / ``jnp.float16``: 16-bit traffic, float32 sums.
+    bucket_bytes: largest buffer in wire bytes (``"auto"``: `default_bucket_bytes`; None: no cap).
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
@@ -76,8 +61,7 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
   previous = sequence.ORDER.last()
   if previous is None and (sequence.noted("SyncBatchNorm") or not leaves_early(comm)):
     previous = completion_token(leaves)
-  # 16-bit wire: scale before travel (fp16 range); pack straight to 16 bits when no local psum.
-  # Node-aware 16-bit wire (``flat`` over nodes): float32 within the node, so pack in float32.
+  # 16-bit wire: pack straight to 16 bits unless a local psum or the node-aware path comes first.
   node_aware = comm.kind == "flat" and bool(comm.node_comms)
   half_pack = wire_dtype is not None and not node_aware and (
       comm.kind in ("flat", "xla") or (comm.kind == "single_node" and comm.size == 1))
@@ -139,8 +123,7 @@ def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, 
 
 
 def leaves_early(comm: Communicator) -> bool:
-  """Whether `allreduce_tree`'s first bucket leaves as soon as its own leaves are ready
-  (GPUs), instead of after every leaf (CPUs, where polling MPI competes for the core).
+  """True on GPUs: the first bucket leaves before every leaf is ready (on CPUs MPI polls a core).
 
   Example:
     >>> leaves_early(comm)   # this process's devices are CPUs
@@ -175,7 +158,7 @@ def buckets_leave_early(value: bool) -> Iterator[None]:
 
 
 def _in_place(members: list[Any], bucket: Bucket, wire_dtype, comm: Communicator) -> bool:
-  """Whether a bucket's single leaf can go to MPI as it is (no pack, no cast: ``flat``)."""
+  """Whether a bucket's single leaf goes to MPI as it is (no pack, no cast)."""
   return (len(members) == 1 and wire_dtype is None and comm.kind == "flat"
           and np.dtype(members[0].dtype) == bucket.dtype)
 
@@ -187,10 +170,7 @@ def completion_token(leaves: list[Any]) -> jax.Array:
 
 
 def sum_buffer(buf: jax.Array, comm: Communicator, after: Any = None) -> jax.Array:
-  """Sum of a 1-D buffer over every replica of `comm`, in `buf`'s dtype; call inside a step.
-
-  For layers that reduce their own statistics (`mnjax.SyncBatchNorm`). `after`: the previous
-  collective's result, which this one waits for. Not differentiable by itself.
+  """Sum of a 1-D `buf` over every replica of `comm` in a step, after `after`; not differentiable.
 
   Example:
     >>> total = jax.jit(lambda v: mnjax.comm._instep._allreduce.sum_buffer(v, comm))(jnp.ones(3))
@@ -199,9 +179,6 @@ def sum_buffer(buf: jax.Array, comm: Communicator, after: Any = None) -> jax.Arr
     return buf
   with recorder.tagging("SyncBatchNorm statistics", bytes=buf.size * buf.dtype.itemsize):
     return _REDUCERS[comm.kind](buf, comm, None, after)
-
-
-# Sum of a fused 1-D buffer over every replica, per kind (docs/design/multi_device.md).
 
 
 def _mpi_sum(buf, mpi_comm, wire_dtype, after):
@@ -221,11 +198,7 @@ def _flat(buf, comm, wire_dtype, after):
 
 
 def _node_aware_half(buf, comm, wire_dtype, after):
-  """The 16-bit wire with several processes per node: a float32 reduce-scatter within the
-  node (an alltoall and row sums), the 16-bit sum of this process's shard across nodes among
-  the processes of its index, a 16-bit allgather within the node. Each node's uplink carries
-  16-bit words for the buffer once, half of float32's node-aware allreduce; the error bound
-  of `mnjax.comm.error_bound` holds (two roundings to 16 bits, of partial and total sums)."""
+  """16-bit wire over nodes: float32 reduce-scatter in a node, 16-bit allreduce across, gather."""
   within, across = comm.node_comms
   k = within.Get_size()
   n = buf.size
@@ -267,8 +240,7 @@ def _hierarchical(buf, comm, wire_dtype, after):
 
 
 def _two_dimensional(buf, comm, wire_dtype, after):
-  """Reduce-scatter over local devices; local device i allreduces shard i across processes
-  on its own communicator; all-gather over local devices."""
+  """Local reduce-scatter; local device i allreduces shard i across processes; all-gather."""
   n = comm.local_device_count
   padded = jnp.pad(buf, (0, (-buf.size) % n))
   shard = jax.lax.psum_scatter(padded, comm.axis_name, tiled=True)
@@ -280,8 +252,7 @@ def _two_dimensional(buf, comm, wire_dtype, after):
 
 
 def _single_node(buf, comm, wire_dtype, after):
-  """One process: XLA's collectives over its devices. Several, all on one node (checked by
-  `create_communicator`): psum within each, MPI among them, as ``hierarchical``."""
+  """One process: XLA's collectives; several on one node: as ``hierarchical``."""
   return (_axis if comm.size == 1 else _hierarchical)(buf, comm, wire_dtype, after)
 
 

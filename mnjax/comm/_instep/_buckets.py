@@ -1,12 +1,4 @@
-"""Gradient buckets: which leaves travel together, and packing them into flat buffers.
-
-`plan_buckets` cuts a list of leaves into buckets of at most ``bucket_bytes`` wire bytes per
-dtype, in reverse order; `tree_buckets` is the plan `mnjax.comm.allreduce_tree` uses for a
-pytree (its leaves in `layer_order` first, so the output layer's bucket leaves first).
-`pack` / `unpack` lay a bucket's leaves end to end in one 1-D buffer and back. The argument
-checks every in-step collective shares (`check_float_leaves`, `check_bucket_bytes`) live here
-too, with the platform defaults (`default_bucket_bytes`).
-"""
+"""Gradient buckets: planning, packing into flat buffers, and the in-step argument checks."""
 
 from __future__ import annotations
 
@@ -31,10 +23,7 @@ DEFAULT_BUCKET_BYTES: dict[str, int] = {"cpu": 256 << 10, "gpu": 4 << 20}
 
 
 def default_bucket_bytes(comm: Communicator) -> int:
-  """The bucket cap ``bucket_bytes="auto"`` gives on `comm`'s platform.
-
-  CPU: 256 KiB (only small leaves are fused; larger ones are reduced in place). GPU: 4 MiB,
-  the cost model's choice. Measurements: docs/design/allreduce.md.
+  """The bucket cap ``bucket_bytes="auto"`` gives on `comm`'s platform: 256 KiB CPU, 4 MiB GPU.
 
   Example:
     >>> default_bucket_bytes(mnjax.create_communicator("flat"))   # on a CPU
@@ -55,10 +44,7 @@ def wire_dtype_of(dtype: Any) -> np.dtype:
 
 
 def check_float_leaves(tree: Any, caller: str, *, real: bool = False) -> None:
-  """Raises a `TypeError` naming the first leaf of `tree` that is not a float array.
-
-  With ``real=True`` (a half-precision wire) complex leaves are refused too. A Python number
-  is judged by the dtype ``jax.jit`` gives it, so eager and traced calls agree.
+  """`TypeError` naming the first leaf of `tree` that is not a float array (``real``: real float).
 
   Example:
     >>> check_float_leaves({"step": jnp.zeros((), jnp.int32)}, "my_fn")
@@ -87,8 +73,7 @@ def check_float_leaves(tree: Any, caller: str, *, real: bool = False) -> None:
 
 
 def leaf_dtype(leaf: Any) -> np.dtype | None:
-  """The dtype `leaf` has inside a trace: its own, or for a Python number the one
-  ``jax.jit`` gives it (float32 for a float, int32 for an int); None for anything else.
+  """The dtype `leaf` has inside a trace (a Python number's as ``jax.jit`` gives it), or None.
 
   Example:
     >>> leaf_dtype(1.0), leaf_dtype(np.zeros(2, np.int8)), leaf_dtype("x")
@@ -109,8 +94,7 @@ def _short(value: Any) -> str:
 
 def check_bucket_bytes(bucket_bytes: Any, caller: str,
                        comm: Communicator | None = None) -> int | None:
-  """`bucket_bytes` if it is None (no cap) or a positive int, ``"auto"`` resolved for
-  `comm`'s platform (`default_bucket_bytes`), else a ValueError.
+  """`bucket_bytes` checked: None, a positive int, or ``"auto"`` (resolved for `comm`).
 
   Example:
     >>> check_bucket_bytes(25 * 2**20, "allreduce_gradients")
@@ -131,8 +115,7 @@ def check_bucket_bytes(bucket_bytes: Any, caller: str,
 
 
 def bucket_bytes_from_mb(value: str) -> int | str | None:
-  """A command-line ``--bucket_mb`` as `bucket_bytes`: ``auto``, ``0`` (one buffer per dtype)
-  or a positive number of MiB.
+  """A ``--bucket_mb`` value as `bucket_bytes`: ``auto``, ``0`` (one buffer per dtype) or MiB.
 
   Example:
     >>> bucket_bytes_from_mb("auto"), bucket_bytes_from_mb("0"), bucket_bytes_from_mb("0.5")
@@ -173,11 +156,7 @@ def group_by_dtype(dtypes: list[Any], key=wire_dtype_of) -> list[Bucket]:
 
 def plan_buckets(leaves: list[Any], *, wire_dtype: np.dtype | None = None,
                  bucket_bytes: int | None = None) -> list[Bucket]:
-  """How the leaves are fused: one bucket per dtype, or buckets of at most `bucket_bytes`.
-
-  With a half-precision `wire_dtype` every leaf accumulates in float32. With `bucket_bytes`,
-  each dtype's leaves are taken in reverse order and cut into buckets within the cap; a leaf
-  larger than the cap gets a bucket of its own.
+  """Buckets per dtype (float32 with a 16-bit wire), leaves reversed, each <= `bucket_bytes`.
 
   Example:
     >>> plan_buckets([jnp.ones(4), jnp.ones(4), jnp.ones(4)], bucket_bytes=32)
@@ -204,11 +183,7 @@ def plan_buckets(leaves: list[Any], *, wire_dtype: np.dtype | None = None,
 
 
 def pack(leaves: list[Any], dtype: Any, scale: float | None = None) -> jax.Array:
-  """Leaves raveled and cast to `dtype`, laid end to end in one 1-D buffer (traceable).
-
-  With `scale`, each leaf is multiplied by it in float32 (or wider) before the cast. 32- and
-  64-bit buffers use a `dynamic_update_slice` chain, 16-bit ones a concatenate (see
-  docs/design/allreduce.md, Packing).
+  """Leaves raveled, times `scale`, cast to `dtype`, end to end (docs/design/allreduce.md).
 
   Example:
     >>> pack([jnp.ones((2, 2)), jnp.zeros(3, jnp.bfloat16)], jnp.float32).shape
@@ -234,9 +209,7 @@ def pack(leaves: list[Any], dtype: Any, scale: float | None = None) -> jax.Array
 
 
 def unpack(buf: jax.Array, like: list[Any], post=None) -> list[jax.Array]:
-  """Inverse of `pack`: slices of `buf` with the shapes and dtypes of the leaves in `like`.
-
-  `post`, if given, is applied to each slice before the cast.
+  """Inverse of `pack`: slices of `buf` shaped and typed as `like`, `post` applied before the cast.
 
   Example:
     >>> leaves = [jnp.ones((2, 2)), jnp.zeros(3)]
@@ -253,9 +226,7 @@ def unpack(buf: jax.Array, like: list[Any], post=None) -> list[jax.Array]:
 
 def tree_buckets(tree: Any, *, wire_dtype: Any = None, bucket_bytes: int | None = None
                  ) -> tuple[list[int], list[Bucket]]:
-  """`allreduce_tree`'s plan for `tree`: the leaves in `layer_order` (positions in
-  ``jax.tree.leaves(tree)``) and the buckets (`plan_buckets`: the last layers' first),
-  whose positions index that order.
+  """`allreduce_tree`'s plan: leaf positions in `layer_order`, and `plan_buckets` of that order.
 
   Example:
     >>> order, buckets = tree_buckets({"a": jnp.ones(4), "b": jnp.ones(4)}, bucket_bytes=16)
@@ -270,8 +241,7 @@ def tree_buckets(tree: Any, *, wire_dtype: Any = None, bucket_bytes: int | None 
 
 
 def layer_order(paths: list[str]) -> list[int]:
-  """Leaf positions in layer order: paths sorted with numbers compared as numbers
-  (``Dense_9`` before ``Dense_10``). The same on every rank.
+  """Leaf positions by path, numbers compared as numbers (``Dense_9`` before ``Dense_10``).
 
   Example:
     >>> layer_order(["['Dense_0']['kernel']", "['Dense_1']['kernel']",

@@ -1,33 +1,24 @@
-"""Every private JAX and mpi4jax API mnjax relies on, in one place.
-
-Things with no public API in the pinned jax / mpi4jax (pyproject.toml) are imported here
-only, each with its use and public replacement, so an upgrade is one file to read.
-"""
+"""Every private JAX and mpi4jax API mnjax relies on, with its use and public replacement."""
 
 from __future__ import annotations
 
-# The current trace, its enclosing ones and a tracer's own trace (`mnjax.functions`' chain).
-# Public replacement: none in jax 0.10.2 (``get_opaque_trace_state`` allows equality only).
+# JAX's traces (`mnjax.functions`' chain). Public: none in jax 0.10.2 (opaque: equality only).
 from jax._src import core as _jax_core
 
-# JAX's effect registry: keeps an exchange whose result is unused, inside ``custom_vjp`` too.
-# Public replacement: none in jax 0.10.2.
+# JAX's effect registry: keeps an unused exchange, in ``custom_vjp`` too. Public: none in 0.10.2.
 from jax._src import effects as _jax_effects
 
-# Whether JAX started its backends, asked without starting them (`create_communicator`).
-# Public replacement: none in jax 0.10.2 (every jax.extend.backend query starts them).
+# Whether JAX started its backends. Public: none in jax 0.10.2 (jax.extend's queries start them).
 from jax._src import xla_bridge as _jax_xla_bridge
 
 # mpi4jax's CUDA copy-mode flag and switch. Public replacement: none in mpi4jax 0.9.1.
 from mpi4jax._src import decorators as _mpi4jax_decorators
 from mpi4jax._src import xla_bridge as _mpi4jax_xla_bridge
 
-# The abstract token of mpi4jax's FFI handlers (the GPU lowering's types); jax checks identity.
-# Public replacement: ``jax.ffi.abstract_token`` (jax >= 0.11).
+# mpi4jax's FFI token (jax checks identity). Public: ``jax.ffi.abstract_token`` (jax >= 0.11).
 from mpi4jax._src.jax_compat import abstract_token
 
-# MPI handles (communicator, op, datatype of a numpy dtype) as the FFI handlers' int64s.
-# Public replacement: none (mpi4py's ``MPI._handleof`` is private, without the sign fix).
+# MPI handles as the FFI handlers' int64s. Public: none (``MPI._handleof``: private, no sign fix).
 from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
 
 __all__ = [
@@ -57,10 +48,7 @@ def jax_backends_started() -> bool:
 
 
 def set_mpi4jax_cuda_copy_mode(copy_to_host: bool) -> None:
-  """Sets how mpi4jax's CUDA handlers hand buffers to MPI, and marks its set-up as done.
-
-  True: copy through host memory (any MPI); False: pass device pointers (CUDA-aware MPI
-  only). Needs mpi4jax's CUDA extension.
+  """Sets mpi4jax's CUDA copy mode: through host memory, or device pointers (CUDA-aware MPI).
 
   Example:
     >>> set_mpi4jax_cuda_copy_mode(copy_to_host=True)  # the mpich wheel  # doctest: +SKIP
@@ -70,8 +58,7 @@ def set_mpi4jax_cuda_copy_mode(copy_to_host: bool) -> None:
 
 
 def usable_here(value):
-  """`value` if the current trace may use it; else its primal value (a finished
-  ``jax.grad``/``jax.vjp`` tracer) when usable; else None.
+  """`value` if usable here, else its primal (of a finished ``jax.grad``) if usable, else None.
 
   Example:
     >>> usable_here(jnp.ones(2)).shape
@@ -85,7 +72,7 @@ def usable_here(value):
 
 
 def _enclosing_traces():
-  """The trace JAX traces into now and those enclosing it (``parent_trace``), innermost first."""
+  """The current trace and those enclosing it, innermost first."""
   trace = _jax_core.trace_ctx.trace
   while trace is not None:
     yield trace
@@ -98,8 +85,7 @@ def _staging(trace) -> bool:
 
 
 def outermost_trace():
-  """The outermost staging trace enclosing the current one (under ``jax.jit(f)``, ``f``'s),
-  or None outside any.
+  """The outermost staging trace enclosing the current one (``f``'s in ``jax.jit(f)``), or None.
 
   Example:
     >>> outermost_trace() is None
@@ -113,8 +99,7 @@ def outermost_trace():
 
 
 def traced_for() -> tuple[str, ...]:
-  """What each staged trace enclosing the current one traces (innermost first): ``"jit"``,
-  ``"cond"``, ``"while_body"``, ``"scan"``, ``"checkpoint / remat"``, ...
+  """What each enclosing staged trace traces, innermost first (``"jit"``, ``"cond"``, ...).
 
   Example:
     >>> jax.jit(lambda x: (print(traced_for()), x)[1])(1.0)    # doctest: +SKIP
@@ -125,9 +110,7 @@ def traced_for() -> tuple[str, ...]:
 
 
 def register_kept_effect(effect_type: type, *, control_flow: bool = False) -> object:
-  """An instance of `effect_type` (an ``Effect`` subclass), registered as an unordered effect
-  JAX keeps and lowers, allowed in ``custom_vjp`` (with `control_flow`, also in control flow
-  bodies and ``jax.checkpoint``).
+  """An `effect_type()` JAX keeps and lowers, in ``custom_vjp`` too (and, if `control_flow`, loops).
 
   Example:
     >>> effect = register_kept_effect(KEPT_EFFECT_BASE)          # doctest: +SKIP
@@ -145,8 +128,7 @@ KEPT_EFFECT_BASE = _jax_effects.Effect
 
 
 def reachable_here(value) -> bool:
-  """Whether the current trace may use `value`: a concrete array, or a live tracer of this
-  trace or an enclosing one.
+  """Whether the current trace may use `value` (concrete, or a live tracer of an enclosing one).
 
   Example:
     >>> reachable_here(jnp.ones(3))

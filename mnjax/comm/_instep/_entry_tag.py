@@ -1,9 +1,4 @@
-"""The tag an in-step exchange's sequence entry carries, naming its kind, peer and ranks.
-
-E.g. ``<mnjax.functions send peer=1 phase=forward group=0,1>`` at the end of the entry's
-text, in ``MPI.COMM_WORLD`` ranks (so sub-communicator exchanges pair up). `entry` writes
-it; the pairing check (`mnjax.guard._pairing`) parses it with `TAG`.
-"""
+"""The tag ending an exchange's sequence entry: `entry` writes it, the pairing check reads `TAG`."""
 
 from __future__ import annotations
 
@@ -22,9 +17,7 @@ TAG = re.compile(
 
 def entry(label: str, kind: str, group: tuple[int, ...], *, peer: int | None = None,
           phase: str | None = None, comm: int | None = None) -> str:
-  """The ``what`` of a sequence entry for an exchange (world ranks; `comm`: the
-  communicator's `uid`, so that exchanges over two communicators of the same ranks do not
-  pair).
+  """The ``what`` of an exchange's entry (`comm`: the communicator's `uid`, so others never pair).
 
   Example:
     >>> entry("mnjax.functions.send", "send", (0, 1), peer=1, phase="forward")

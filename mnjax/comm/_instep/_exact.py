@@ -1,28 +1,4 @@
-"""Sums whose bits do not depend on how the replicas are grouped into processes.
-
-A float sum's last bits depend on its order, and MPI's and XLA's orders depend on the
-number of processes. Integer sums do not. Under ``create_communicator(..., replicas=V)``
-each gradient bucket is summed as integers:
-
-1. **An agreed scale.** Each replica's largest magnitude gives a binary exponent; a one-hot
-   histogram of those exponents is summed (int32, exact) and the highest bin present is
-   ``e``, the same on every rank and every layout: every ``|x| < 2 ** e``.
-2. **Fixed point in int32 limbs.** ``x * 2 ** (LIMBS * B - e)`` is cut at ``2 ** B`` into
-   `LIMBS` integer limbs (float32 powers of two and truncations: exact); the bits below the
-   last limb's unit are dropped. ``B = 30 - ceil(log2 V)``, so V limbs sum without
-   overflow.
-3. **The sum.** The limbs go through the kind's ordinary reduction as int32 (exact,
-   associative), then carry (each lower limb into ``[-2 ** (B - 1), 2 ** (B - 1))``) into
-   a fixed float32 reconstruction: the same integers give the same bits.
-
-Error, against the exact sum of the V float32 inputs: each replica's value loses less than
-one unit of the last limb, ``2 ** (e - LIMBS * B)``, so the integer sum is within
-``V * 2 ** (e - LIMBS * B)`` of it, and the reconstruction rounds twice to float32 (at most
-``2 ** -23`` relative). With 2 limbs and V <= 16 that is ``16 * 2 ** (e - 52)``: the
-smallest entries of a bucket, below ``2 ** (e - 52)``, count as zero (as do float32
-subnormals, which XLA's CPU flushes to zero anyway). Cost: a histogram of
-`BINS` int32 and two int32 per element on the wire (2x float32's bytes).
-"""
+"""Sums with the same bits whatever the process layout (docs/design/allreduce.md, Exact sums)."""
 
 from __future__ import annotations
 
@@ -46,9 +22,7 @@ def _pow2(k: jax.Array) -> jax.Array:
 
 
 def _scale(x: jax.Array, n: jax.Array) -> jax.Array:
-  """``x * 2 ** n``, exact while the result is a normal float32 (``jnp.ldexp`` is not for
-  large `n`): three factors of the same sign, so each partial result lies between `x` and
-  the result."""
+  """``x * 2 ** n`` in three same-sign steps, exact while normal (unlike ``jnp.ldexp``, large n)."""
   n = jnp.asarray(n, jnp.int32)
   for _ in range(3):
     step = jnp.clip(n, -120, 120)
@@ -68,8 +42,7 @@ def limb_bits(replicas: int) -> int:
 
 
 def error_bound(max_abs: float, replicas: int) -> float:
-  """The largest absolute error of an exact sum whose inputs' largest magnitude is
-  `max_abs`, before the final float32 rounding (module docstring).
+  """The largest error of an exact sum of inputs up to `max_abs`, before float32 rounding.
 
   Example:
     >>> error_bound(1.0, 12) == 12 * 2.0 ** (1 - 2 * 26)
@@ -82,8 +55,7 @@ def error_bound(max_abs: float, replicas: int) -> float:
 def exact_sum(buf: jax.Array, replicas: int,
               reduce: Callable[[jax.Array, jax.Array | None], jax.Array],
               after: jax.Array | None) -> jax.Array:
-  """The sum of `buf` (float32) over `replicas` replicas through `reduce` (the kind's int32
-  sum, ``reduce(x, after)``), the same bits however the replicas sit on processes.
+  """The sum of float32 `buf` over `replicas` through the kind's int32 ``reduce(x, after)``.
 
   Example:
     >>> exact_sum(jnp.array([1.5, -2.0]), 1, lambda x, after: x, None)

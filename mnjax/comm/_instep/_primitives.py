@@ -1,12 +1,4 @@
-"""MPI collectives as JAX primitives without effects: allreduce, alltoall, allgather.
-
-Unlike mpi4jax's, these primitives carry no ordered effect, so jitted steps keep JAX's fast
-dispatch path. They lower to side-effecting custom calls: on CPU to mnjax's own handlers
-(`mnjax.comm._instep._native`, allreduce in place), on GPU to mpi4jax's (pinned in
-pyproject.toml). Each takes an ``after`` operand, the previous collective's result, so every
-rank runs them in one order (on GPU via `_tie`). The one numpy-to-MPI dtype mapping lives
-here (`mpi_datatype`, `sum_dtype`). Rationale: docs/design/overview.md, docs/design/gpu.md.
-"""
+"""MPI collectives as effect-free JAX primitives, ordered by ``after`` (docs/design/gpu.md)."""
 
 from __future__ import annotations
 
@@ -67,10 +59,7 @@ def sum_dtype(dtype) -> np.dtype:
 
 
 def allreduce_sum(x, comm: MPI.Intracomm, after=None):
-  """Sum of `x` over all ranks of `comm`, for use inside `jax.jit` (not differentiable).
-
-  `after`: an array the call must wait for (the previous collective's result), so that
-  every rank issues its collectives in one order.
+  """Sum of `x` over the ranks of `comm` in `jax.jit`, after `after`; not differentiable.
 
   Example:
     >>> total = jax.jit(lambda v: allreduce_sum(v, comm.device_comm))(jnp.ones(3))
@@ -83,9 +72,6 @@ def allreduce_sum(x, comm: MPI.Intracomm, after=None):
 
 def alltoall(x, comm: MPI.Intracomm, after=None):
   """Row ``j`` of `x` goes to rank ``j``; row ``j`` of the result came from rank ``j``.
-
-  `x` has shape ``(comm.size, ...)``. Any dtype MPI knows (use ``uint16`` views for 16-bit
-  floats). `after` as in `allreduce_sum`.
 
   Example:
     >>> x = 10.0 * jnp.arange(comm.size)[:, None] + comm.rank   # row j goes to rank j
@@ -118,8 +104,7 @@ def _count(aval) -> np.int64:
 
 
 def _cpu(target, attrs, aliases=None):
-  """Lowering to an mnjax handler: operands (x, after), one result; a nonzero timeline
-  `tag` selects the ``_tagged`` handler."""
+  """Lowering to an mnjax handler (x, after); a nonzero timeline `tag` selects ``_tagged``."""
   def rule(ctx, x, after, *, tag=0, **params):
     native.register()
     kw = {"operand_output_aliases": aliases} if aliases else {}
@@ -130,9 +115,8 @@ def _cpu(target, attrs, aliases=None):
 
 
 def _tie(x, after):
-  """`x` unchanged bit for bit, but computed from `after`: its first element times
-  ``1 + 0 * s``, ``s`` a finite scalar from `after` (XLA does not fold ``s * 0`` for floats;
-  an ``optimization_barrier`` would be dropped)."""
+  """`x` bit for bit, but computed from `after`: ``x[0] * (1 + 0 * s)``, ``s`` from `after`
+  (XLA keeps ``s * 0`` for floats; an ``optimization_barrier`` would be dropped)."""
   if x.size == 0 or after.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
     return x
   s = jnp.ravel(after)[0].astype(jnp.float32)
@@ -142,7 +126,7 @@ def _tie(x, after):
 
 
 def _gpu(target, attrs):
-  """Lowering to mpi4jax's token-taking handler; `after` is tied in by `_tie` (floats only)."""
+  """Lowering to mpi4jax's token-taking handler; `after` tied in by `_tie` (floats only)."""
   def rule(ctx, x, after, *, tag=0, **params):
     del tag  # mpi4jax's handlers take no tag: the timeline's named scope labels them
     if _gpu_backend():

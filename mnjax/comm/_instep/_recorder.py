@@ -1,11 +1,4 @@
-"""What the timeline records, at the level that sees it: the CPU handlers and host collectives.
-
-The recording side `mnjax.guard.Timeline` switches on. The CPU handlers time in-step
-collectives into a ring that `drain` reads; `tagging` labels collectives while a step is
-traced (`tag_for_bind`); `mark_step` stamps step boundaries (CPU only); host operations call
-`record` or `host_span`. On GPUs only host events and steps are recorded, and `tagging` adds
-a ``jax.named_scope``. Design: docs/design/timeline.md.
-"""
+"""The timeline's recording side: handler, step and host events (docs/design/timeline.md)."""
 
 from __future__ import annotations
 
@@ -111,8 +104,7 @@ def set_step(step: int) -> None:
 
 
 def record(kind: str, start_ns: int, end_ns: int, *, bytes: int = 0) -> None:
-  """Records one host-side operation that took ``[start_ns, end_ns]`` (`now_ns`'s clock);
-  nothing when no timeline is on. Ranks must record host collectives in the same order.
+  """Records a host operation over ``[start_ns, end_ns]`` (`now_ns`) if a timeline is on.
 
   Example:
     >>> start = now_ns()
@@ -163,13 +155,9 @@ def drain() -> tuple[np.ndarray, list[tuple], int]:
   return np.concatenate(chunks), host, lost_total
 
 
-# -- trace time --------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
 def tagging(kind: str, *, bucket: int = -1, bytes: int = 0) -> Iterator[None]:
-  """Collectives traced inside are labelled `kind`, `bucket` and `bytes` (before any 16-bit
-  wire conversion) in the timeline; nothing when no timeline is on.
+  """Labels collectives traced inside with `kind`, `bucket`, `bytes` if a timeline is on.
 
   Example:
     >>> with tagging("bucket allreduce", bucket=0, bytes=4096):
@@ -204,9 +192,7 @@ def _on_cpu() -> bool:
 
 
 def mark_step(step: Any, *, end: bool = False, after: Any = None) -> Any:
-  """`step` (the traced step counter) passed through a start mark, or with ``end=True`` an
-  end mark that waits for `after` (e.g. `completion` of the new state). Use the result in
-  place of `step`. Traces nothing when no timeline is on, or off CPUs.
+  """`step` through a start mark, or (`end`) an end mark after `after`; use it in place of `step`.
 
   Example:
     >>> jax.jit(lambda step: mark_step(step) + 1)(jnp.int32(4))   # no timeline on: nothing

@@ -1,12 +1,4 @@
-"""In-step reduce-scatter and all-gather of pytrees, sharded leaf by leaf (ZeRO-1's wire).
-
-For `mnjax.shard_optimizer`: `reduce_scatter_tree` is an alltoall plus a local sum of the
-received rows in rank order; `allgather_tree` an allgather. A leaf of ``n`` elements is
-raveled, zero-padded to ``p * c`` (``c = ceil(n / p)``, `share_size`) and viewed as
-``(p, c)``: row ``r`` is rank ``r``'s share. A bucket's views travel side by side in one
-buffer. Every rank gets the same bits of every share. With ``wire_dtype`` values are scaled,
-rounded to 16 bits and summed in float32 (one rounding). Design: docs/design/allreduce.md.
-"""
+"""In-step reduce-scatter and all-gather of pytrees for `mnjax.shard_optimizer` (ZeRO-1)."""
 
 from __future__ import annotations
 
@@ -25,7 +17,7 @@ __all__ = ["allgather_tree", "reduce_scatter_tree", "shard_leaf", "share_size", 
 
 
 def share_size(n: int, parts: int) -> int:
-  """Elements of each share when a leaf of `n` elements is split into `parts`: ceil(n/parts).
+  """Elements of each share of a leaf of `n` elements split into `parts`: ceil(n/parts).
 
   Example:
     >>> share_size(10, 3), share_size(1, 4), share_size(0, 2)
@@ -42,8 +34,7 @@ def _rows(leaf: Any, parts: int) -> jax.Array:
 
 
 def shard_leaf(leaf: Any, index: int, parts: int) -> jax.Array:
-  """Share `index` of `parts` of `leaf`: a 1-D array of ``ceil(n / parts)`` elements,
-  zero-padded. Traceable; no communication.
+  """Share `index` of `parts` of `leaf`: 1-D, ``ceil(n / parts)`` elements, zero-padded.
 
   Example:
     >>> shard_leaf(jnp.arange(5.0), 1, 2).tolist()
@@ -53,8 +44,7 @@ def shard_leaf(leaf: Any, index: int, parts: int) -> jax.Array:
 
 
 def unshard_leaf(shares: Any, shape: tuple[int, ...]) -> Any:
-  """Inverse of `shard_leaf` over all shares: ``(parts, c)`` rows back to a leaf of `shape`
-  (padding dropped). Works on numpy and jax arrays.
+  """Inverse of `shard_leaf`: ``(parts, c)`` shares (numpy or jax) back to a leaf of `shape`.
 
   Example:
     >>> unshard_leaf(np.array([[0.0, 1, 2], [3, 4, 0]]), (5,)).tolist()
@@ -67,12 +57,7 @@ def unshard_leaf(shares: Any, shape: tuple[int, ...]) -> Any:
 def reduce_scatter_tree(tree: Any, comm: Communicator, *, mean: bool = True,
                         wire_dtype: np.dtype | None = None, bucket_bytes: int | None = None,
                         after: Any = None) -> tuple[Any, jax.Array | None]:
-  """This rank's share (`shard_leaf`) of the global sum or mean of every leaf; in a step.
-
-  Returns:
-    ``(shares, last)``: a tree like `tree` whose leaves are 1-D shares of ``ceil(n / p)``
-    elements (in the leaf's dtype; float32 with a 16-bit wire), and the last collective's
-    result, the `after` for the next collective (None on one rank).
+  """``(shares, last)``: this rank's share of each leaf's global sum or mean, and the next `after`.
 
   Example:
     >>> from mnjax.comm._instep import _scatter
@@ -114,18 +99,7 @@ def reduce_scatter_tree(tree: Any, comm: Communicator, *, mean: bool = True,
 
 def allgather_tree(shares: Any, shapes: Any, comm: Communicator, *,
                    bucket_bytes: int | None = None, after: Any = None) -> tuple[Any, Any]:
-  """Every rank's shares joined into whole leaves of `shapes`; call inside a step.
-
-  Args:
-    shares: a tree of 1-D shares, this rank's (``ceil(n / p)`` elements each).
-    shapes: a tree with the same structure whose leaves have the whole leaves' shapes
-      (arrays or `jax.ShapeDtypeStruct`).
-    comm: the ``flat`` `Communicator`.
-    bucket_bytes: the largest buffer, in bytes (None: one per dtype).
-    after: the previous collective's result (the order of collectives on every rank).
-
-  Returns:
-    ``(tree, last)``: whole leaves in the shares' dtypes, and the last collective's result.
+  """``(tree, last)``: every rank's `shares` joined into whole leaves of `shapes`, in a step.
 
   Example:
     >>> from mnjax.comm._instep import _scatter
@@ -155,7 +129,7 @@ def allgather_tree(shares: Any, shapes: Any, comm: Communicator, *,
 
 
 def _exact_buckets(leaves: list[Any], bucket_bytes: int | None) -> list[Bucket]:
-  """`plan_buckets` within each exact dtype (values move as raw words: 16-bit stays 16-bit)."""
+  """`plan_buckets` within each exact dtype (raw words: 16-bit stays 16-bit)."""
   buckets = []
   for group in group_by_dtype([x.dtype for x in leaves], key=np.dtype):
     members = [leaves[i] for i in group.positions]

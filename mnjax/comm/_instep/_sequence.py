@@ -1,12 +1,5 @@
-"""The in-step collectives a step issues, noted while it is traced (for the pre-flight check).
-
-While a step is traced inside `recording` (`mnjax.data_parallel` opens it), every mnjax
-collective of the step notes itself here; the sequence is the step's fingerprint, which the
-pre-flight check compares across ranks once per trace. Noting happens only while tracing.
-
-`ORDER` chains the collectives so they also run in that order: each takes the previous one's
-result as its ``after`` operand (docs/design/allreduce.md, section 2).
-"""
+"""A step's in-step collectives, noted while it is traced (its fingerprint for the pre-flight
+check), and `ORDER`, which chains them (docs/design/allreduce.md, section 2)."""
 
 from __future__ import annotations
 
@@ -40,11 +33,7 @@ _RECORDINGS = _Recordings()
 
 
 def note_collective(what: str, shape: Any, dtype: Any, *, over: Any = None) -> None:
-  """Notes an in-step collective being traced (`what`: e.g. the layer's path) in every open
-  `recording`; nothing when none is open.
-
-  `over`: the MPI communicator it runs over; for a sub-communicator the entry names its
-  ``MPI.COMM_WORLD`` ranks, so the check pairs it over those ranks only.
+  """Notes a collective being traced in every open `recording` (`over`: its MPI communicator).
 
   Example:
     >>> with recording() as log:
@@ -82,7 +71,7 @@ def recording_open() -> bool:
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple]]:
-  """The list of collectives `note_collective` notes while the block runs (a step traced).
+  """The list of collectives `note_collective` notes while the block runs.
 
   Example:
     >>> with recording() as log:
@@ -111,9 +100,7 @@ def noted(prefix: str) -> bool:
 
 
 class _OrderChain(threading.local):
-  """The last mnjax in-step collective of the computation being traced (per thread).
-
-  A value left over from another trace is never used: `last` is then None.
+  """The last in-step collective of the computation being traced (per thread and trace).
 
   Example:
     >>> def step(x):
@@ -145,8 +132,7 @@ class _OrderChain(threading.local):
     self._last = value
 
   def reachable(self) -> jax.Array | None:
-    """The last link if the current trace can use it (also from an enclosing trace), else
-    None; for `mnjax.functions`' ``custom_vjp`` rules."""
+    """The last link if usable here (also an enclosing trace's, for ``custom_vjp``), or None."""
     return usable_here(self._last)
 
   def stale(self) -> jax.Array | None:
@@ -169,8 +155,7 @@ _ENCLOSING = _Enclosing()
 
 @contextlib.contextmanager
 def enclosing(what: str, options: dict) -> Iterator[None]:
-  """Marks an inner transformation traced for `what` with `options` (e.g. ``every_k``); the
-  pre-flight checks of collectives traced inside compare them across ranks too.
+  """Marks an inner transformation `what` and its `options`, which pre-flight checks compare.
 
   Example:
     >>> with enclosing("accumulate_gradients", {"every_k": 4}):
@@ -203,8 +188,7 @@ _FIRST_DEVICE = _FirstDevice()
 
 @contextlib.contextmanager
 def state_from_first_device() -> Iterator[None]:
-  """Marks a step whose replicated outputs come back from the first local device only (``xla``
-  kind, several devices); transformations with per-device state refuse it.
+  """Marks a step whose outputs come from the first local device (``xla``, several devices).
 
   Example:
     >>> with state_from_first_device():

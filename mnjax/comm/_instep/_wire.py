@@ -1,20 +1,12 @@
 """Half precision on the wire: ChainerMN's ``allreduce_grad_dtype``, Horovod's fp16 compression.
 
-MPI has no 16-bit float type, so the allreduce moves raw 16-bit words with float32 arithmetic:
-(1) scale by ``1/replicas`` and round to the wire dtype while packing, so what travels sums
-to the mean; (2) an alltoall, each rank summing the ``p`` copies of its chunk in float32;
-(3) round and allgather, widening while unpacking. NaN and Inf stay so; a finite value beyond
-fp16's range becomes Inf.
-
-Error bound per element for the mean ``m = sum_i x_i / p`` (`error_bound`):
+Values scaled by ``1/p`` travel as raw 16-bit words, summed in float32 (docs/design/allreduce.md);
+NaN and Inf stay; a finite value beyond fp16's range becomes Inf. Error of ``m = sum_i x_i / p``:
 
     |computed - m| <= (2 u + p 2^-24) * (sum_i |x_i|) / p + (p + 1) * eta
 
-with ``u`` the wire dtype's unit roundoff (bfloat16 2^-8, float16 2^-11) and ``eta`` half
-its smallest subnormal step (float16 2^-25; bfloat16 2^-134, negligible). With
-``mean=False`` multiply the bound by ``p``. Multi-device kinds first sum over local devices
-in float32, which only tightens it.
-"""
+``u``: the wire dtype's unit roundoff (bfloat16 2^-8, float16 2^-11); ``eta``: half its
+smallest subnormal step (float16 2^-25, bfloat16 2^-134). Times ``p`` for ``mean=False``."""
 
 from __future__ import annotations
 
@@ -34,10 +26,7 @@ _HALF_SUBNORMAL_STEP = {np.dtype(jnp.bfloat16): 2.0**-134, np.dtype(jnp.float16)
 
 
 def check_wire_dtype(wire_dtype: Any, caller: str) -> np.dtype | None:
-  """`wire_dtype` as a numpy dtype, or None for full precision, or a ValueError.
-
-  None, float32 and float64 mean full precision (every leaf in its own dtype); float64 needs
-  ``jax_enable_x64``.
+  """A 16-bit `wire_dtype` as a numpy dtype, None for None/float32/float64; else a ValueError.
 
   Example:
     >>> check_wire_dtype(jnp.bfloat16, "allreduce_gradients")
@@ -74,13 +63,8 @@ def check_wire_dtype(wire_dtype: Any, caller: str) -> np.dtype | None:
 
 
 def error_bound(abs_sum: Any, replicas: int, wire_dtype: Any, *, mean: bool = True) -> Any:
-  """Worst-case absolute error of a half-precision allreduce, per element (module docstring).
-
-  Args:
-    abs_sum: ``sum_i |x_i|`` over replicas, per element (array or scalar).
-    replicas: number of replicas ``p``.
-    wire_dtype: ``jnp.bfloat16`` or ``jnp.float16``.
-    mean: the bound for the mean (default) or for the sum.
+  """Worst-case absolute error per element of a 16-bit allreduce over ``p`` `replicas`, given
+  `abs_sum` (``sum_i |x_i|``, array or scalar); of the sum if not `mean` (module docstring).
 
   Example:
     >>> float(error_bound(4.0, 2, jnp.bfloat16))   # mean of two values, |x0| + |x1| = 4
@@ -100,12 +84,8 @@ def half_allreduce(
     alltoall: Callable[[jax.Array], jax.Array],
     allgather: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
-  """Sum over `parts` ranks of a 1-D float `buf`, moved and returned as `wire_dtype` (traceable).
-
-  `alltoall` maps a ``(parts, c)`` array of `wire_dtype` to the ``(parts, c)`` array of
-  chunks received from each rank; `allgather` maps ``(c,)`` to ``(parts, c)``. They move
-  raw 16-bit words. The caller scales `buf` beforehand. The float32 sum is a chain of row
-  adds (faster than ``jnp.sum`` on XLA:CPU, docs/design/allreduce.md).
+  """Sum over `parts` ranks of a 1-D float `buf` (scaled by the caller) as `wire_dtype`, through
+  `alltoall` (``(parts, c)`` to the chunks received) and `allgather` (``(c,)`` to ``(parts, c)``).
 
   Example:
     >>> from mnjax.comm._instep import _primitives as mpi
@@ -121,7 +101,7 @@ def half_allreduce(
     buf = jnp.pad(buf, (0, pad))
   received = alltoall(buf.astype(wire_dtype).reshape(parts, -1))
   total = received[0].astype(jnp.float32)
-  for row in range(1, parts):
+  for row in range(1, parts):  # row adds: faster than jnp.sum on XLA:CPU
     total = total + received[row].astype(jnp.float32)
   gathered = allgather(total.astype(wire_dtype)).reshape(-1)
   return gathered[:n] if pad else gathered

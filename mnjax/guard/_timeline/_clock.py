@@ -1,9 +1,6 @@
-"""Clock offsets between ranks, estimated by ping-pong with rank 0 (NTP's estimate).
-
-Rank ``r`` stamps ``t1`` and sends, rank 0 stamps ``t0`` and answers, rank ``r`` stamps
-``t2``: ``offset = t0 - (t1 + t2) / 2``, off by at most half the round trip. The round with
-the shortest round trip is kept; its half round trip is the error bound.
-"""
+"""Clock offsets between ranks by ping-pong with rank 0 (NTP's estimate): rank ``r`` sends at
+``t1``, rank 0 answers at ``t0``, ``r`` receives at ``t2``; ``offset = t0 - (t1 + t2) / 2``,
+from the shortest round trip, half of which bounds the error."""
 
 from __future__ import annotations
 
@@ -21,10 +18,8 @@ def estimate_offsets(mpi_comm: MPI.Intracomm, now: Callable[[], int], *, rounds:
                      max_rounds: int = 200, good_ns: int = 20_000) -> tuple[np.ndarray, np.ndarray]:
   """``(offsets, errors)`` in ns, on every rank: ``offsets[r]`` added to rank ``r``'s
   clock reading gives rank 0's, within ``errors[r]``.
-
-  Collective over `mpi_comm` (one no other traffic runs on); `now` reads this rank's clock.
-  Each rank takes `rounds` round trips, more (up to `max_rounds`) while the error is over
-  `good_ns`.
+  Collective over `mpi_comm` (with no other traffic); `now` reads this rank's clock. Each rank
+  takes `rounds` round trips, up to `max_rounds` while the error is over `good_ns`.
 
   Example:
     >>> import time

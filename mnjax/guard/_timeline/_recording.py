@@ -1,12 +1,7 @@
-"""Timeline: every collective on every rank, on one time axis, as one Chrome/Perfetto trace.
+"""`Timeline`: every collective on every rank, on one time axis, as one Chrome/Perfetto trace.
 
-`Timeline` switches on the recording in `mnjax.comm._instep._recorder`, aligns every rank's
-clock to rank 0's (`_clock`, refreshed at each `end_epoch`), gathers the events to
-rank 0 at each epoch's end and at `close`, splits each collective into wait and exchange
-(`_straggler`), and rank 0 writes one trace JSON (`_trace`).
-``MNJAX_TIMELINE=path`` makes `lab.runner.train_loop` open one. Off, nothing is traced into
-a step; beyond ``max_events`` the oldest steps are dropped, and the trace says so.
-"""
+Rank 0 gathers the events (`mnjax.comm._instep._recorder`) on aligned clocks (`_clock`), splits
+waits from exchanges (`_straggler`), writes the trace (`_trace`); docs/design/timeline.md."""
 
 from __future__ import annotations
 
@@ -68,9 +63,7 @@ class Timeline:
   creation. Use it as a context manager; call `step` as the host reaches each step.
 
   Args:
-    comm: the `Communicator`.
-    path: where rank 0 writes the trace JSON (``{"traceEvents": [...]}``; open it in
-      https://ui.perfetto.dev or chrome://tracing; ``python -m lab.timeline view``).
+    path: where rank 0 writes the trace JSON (open it in https://ui.perfetto.dev).
     max_events: the most events kept; beyond it the oldest steps are dropped.
     clock_rounds: ping-pong rounds per clock estimate.
     verbose: rank 0 prints the clock alignment, and the straggler report at `close`.
@@ -289,9 +282,8 @@ class Timeline:
   # -- the end -----------------------------------------------------------------------------
 
   def close(self, *, failed: bool = False) -> dict | None:
-    """Stops recording; rank 0 writes the trace and returns the straggler report.
-
-    Collective, except with ``failed=True`` (rank 0's own events only, without waiting)."""
+    """Stops recording; rank 0 writes the trace and returns the straggler report. Collective,
+    except with ``failed=True`` (rank 0's own events only, without waiting)."""
     if self.closed:
       return None
     self.closed = True

@@ -1,12 +1,8 @@
-"""Who waited for whom: the timeline's rows matched across ranks, waits, the straggler report.
-
-Rank 0 matches collectives by ``(channel, seq)`` (the n-th on a communicator is the same on
-every rank); the **wait** of rank ``r`` is the last arrival minus its own, the rest is the
-**exchange**. A *row* is one handler call or host collective on one rank::
+"""Who waited for whom: rows matched across ranks by ``(channel, seq)``, each rank's wait (the
+last arrival minus its own), the straggler report. A row is one handler call or host
+collective on one rank (equal ``group`` s make one collective)::
 
     (channel, seq, group, kind, bucket, bytes, wire_bytes, step, start_ns, end_ns)
-
-Rows of equal ``group`` on one rank make one logical collective.
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ def collectives(rows_by_rank: list[list[tuple]]) -> tuple[list[list[Collective]]
 def report(rows_by_rank: list[list[tuple]], steps_by_rank: list[dict[int, tuple]]) -> dict:
   """The straggler report: per rank, how often it was a step's straggler and by how much
   (median, p95, ms), and the exchange's and the wait's share of its steps.
-
   `steps_by_rank[r]`: step -> (start_ns, end_ns) on rank r; only their collectives count.
 
   Example:

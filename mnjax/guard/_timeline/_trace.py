@@ -1,10 +1,5 @@
-"""The timeline as Chrome trace events (what Perfetto and chrome://tracing read).
-
-Complete events (``"ph": "X"``, times in us, ``pid`` = rank) on five tracks per rank:
-``tid`` 0 epochs, 1 steps, 2 collectives (``args``: ``op``, ``bytes``, ``wire_bytes``,
-``bucket``, ``step``, ``wait_us``, ``host``), 3 phase (``compute`` / ``wait`` /
-``exchange``), 4 host collectives.
-"""
+"""The timeline as Chrome trace events (read by Perfetto and chrome://tracing): complete events,
+``pid`` = rank, a ``tid`` per track of `_TRACKS` (docs/design/timeline.md, "The trace")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""mnjax's compiled piece: MPI collectives as XLA FFI handlers for CPU (`mpi_collectives.cc`).
-
-The handlers reduce in place (``MPI_IN_PLACE``, result aliased to the operand) and take an
-``after`` operand that orders them by data (docs/design/allreduce.md, sections 1-2). Built
-with the MPI C++ compiler wrapper (``$MPICXX``, else ``mpicxx`` next to Python or on
-``PATH``) by ``scripts/setup.sh``, ``python -m mnjax.comm._instep._native``, or on first use
-when missing or older than its source.
-"""
+"""MPI collectives as XLA:CPU FFI handlers (`mpi_collectives.cc`), compiled on first use."""
 
 from __future__ import annotations
 
@@ -110,8 +103,7 @@ def allreduce_calls() -> int:
 
 
 def collective_counts() -> tuple[int, int]:
-  """``(entered, completed)``: in-step collectives this process's handlers have started and
-  finished; more entered than completed means one waits for its peers.
+  """``(entered, completed)`` in-step collectives of this process (more entered: one waits).
 
   Example:
     >>> entered, completed = mnjax.comm._instep._native.collective_counts()
@@ -126,7 +118,7 @@ def collective_counts() -> tuple[int, int]:
 
 
 def handlers() -> dict:
-  """FFI handler capsules by target name (`TARGETS`), building the library if needed.
+  """FFI handler capsules by target name (`TARGETS`), built if needed.
 
   Example:
     >>> for name, capsule in mnjax.comm._instep._native.handlers().items():
@@ -162,8 +154,7 @@ def wait_timeout() -> float:
 
 
 def configure_waits() -> None:
-  """Hands the native handlers their wait bound and the tag of the exit notices, so that an
-  in-step send or recv whose peer finished or never comes ends the job with a named error."""
+  """Hands the handlers their wait bound and exit-notice tag (a lost peer ends the job)."""
   from mnjax.comm import _departures as departures  # noqa: PLC0415 (mpi4py only when used)
 
   fn = _library().mnjax_configure_waits
