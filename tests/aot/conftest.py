@@ -4,15 +4,9 @@ for GPUs that are not here: JAX itself runs on the CPU only."""
 
 import os
 
-from support.launch import FAST_COMPILE
-
 from lab import aot
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before the plugin starts
-# The GPU programs compile as a user's would, without the suite's fast-compile flags
-# (tests/conftest.py). XLA reads XLA_FLAGS when the first backend starts, after this.
-_flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "")
-os.environ["XLA_FLAGS"] = " ".join(_flags.split())
 if not aot.plugin_installed():
   collect_ignore_glob = ["test_*.py"]
 else:
