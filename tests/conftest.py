@@ -10,12 +10,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from support.launch import xla_devices  # imports no jax
-
 # Before jax is imported: two CPU devices per process (so the multi-device kinds run as
-# 1 x 2 here and as 2 x 2 and 3 x 2 under tests/jobs/test_mpirun.py, which inherits this),
-# compiled fast (support.launch.FAST_COMPILE), quiet logs. `flat` uses the first device only.
-os.environ.setdefault("XLA_FLAGS", xla_devices(2)["XLA_FLAGS"])
+# 1 x 2 here and as 2 x 2 and 3 x 2 under tests/jobs/test_mpirun.py, which inherits this), quiet
+# logs. `flat` uses the first device only.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One persistent compilation cache for the whole run, inherited by every mpirun job it
 # launches: the ResNet jobs compile the same steps several times (start, resume).

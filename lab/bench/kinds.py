@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -136,8 +135,7 @@ def main(argv):
     return
   from lab.bench.launch import relaunch
 
-  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
-  env = {"XLA_FLAGS": flags.strip()}  # the caller's flags kept; the device count last wins
+  env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
   results = {group: relaunch("kinds", [*argv, "--worker", group], ranks=args.ranks, env=env)
              for group in GROUPS}
   first = results["mpi"]

@@ -10,15 +10,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# XLA's LLVM back end without its optimisations: the tests compile thousands of tiny programs,
-# and compiling is most of their time (the distributed suite under mpirun -n 2: 33% less CPU).
-# tests/conftest.py sets it for every process a test starts, so their results agree bit for bit.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
-
-def xla_devices(n: int) -> dict[str, str]:
-  """The environment of a process with `n` emulated CPU devices, compiled as the suite's."""
-  return {"XLA_FLAGS": f"{FAST_COMPILE} --xla_force_host_platform_device_count={n}"}
 
 
 def mpirun_path() -> str:
