@@ -216,8 +216,8 @@ def _node_aware_half(buf, comm, wire_dtype, after):
 
 
 def _axis(buf, comm, wire_dtype, after):
-  del after  # XLA orders its own collectives
   """XLA's own collectives over ``comm.axis_name`` (local devices, or all for xla)."""
+  del after  # XLA orders its own collectives
   if wire_dtype is None:
     return jax.lax.psum(buf, comm.axis_name)
   axis = comm.axis_name
