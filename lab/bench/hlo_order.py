@@ -8,7 +8,8 @@ import re
 # `%name = ...` or `%name:2 = ...` (StableHLO), `name = type op(...)` (HLO).
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)(?::\d+)?\s*=\s*(.*)$")
 _USE = re.compile(r"%([\w.\-]+)")
-_MPI = re.compile(r"custom_call(?:_target=\"|\s*@)(\w*mpi\w*)")
+# An MPI custom call that issues an exchange; an allreduce's ``_done`` half only waits for it.
+_MPI = re.compile(r"custom_call(?:_target=\"|\s*@)(\w*mpi\w*?)(?<!_done)\b")
 
 
 def mpi_calls(text: str) -> list[tuple[str, str]]:

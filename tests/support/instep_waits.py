@@ -1,8 +1,10 @@
-"""Jobs whose in-step point-to-point exchange can never complete (`python instep_waits.py
-CASE`, 2 ranks): each must end the job naming the ranks, not hang.
+"""Jobs whose in-step exchange can never complete (`python instep_waits.py CASE`, 2 ranks):
+each must end the job naming the ranks, not hang. No watchdog runs: the waits themselves end.
 
 - ``peer_finished``: rank 1 runs one step fewer of a send/recv loop and exits normally while
   rank 0 waits in its recv;
+- ``allreduce_peer_finished``: rank 1 runs one step fewer of a gradient-allreduce loop and
+  exits normally while rank 0 waits in the allreduce;
 - ``peer_stalls``: rank 1 sends once and then sleeps (alive, not exiting) while rank 0 waits
   in a second recv: ended by the wait bound, ``MNJAX_WAIT_TIMEOUT``.
 """
@@ -29,6 +31,13 @@ def peer_finished(comm) -> None:
     print(f"rank {comm.rank}: step {i} done", flush=True)
 
 
+def allreduce_peer_finished(comm) -> None:
+  step = jax.jit(lambda g: mnjax.comm.allreduce_tree(g, comm))
+  for i in range(3 - comm.rank):
+    jax.block_until_ready(step({"w": jnp.full(4, float(i))}))
+    print(f"rank {comm.rank}: step {i} done", flush=True)
+
+
 def peer_stalls(comm) -> None:
   like = jax.ShapeDtypeStruct((4,), jnp.float32)
   if comm.rank == 0:
@@ -42,5 +51,7 @@ def peer_stalls(comm) -> None:
 
 if __name__ == "__main__":
   comm = mnjax.create_communicator("flat")
-  {"peer_finished": peer_finished, "peer_stalls": peer_stalls}[sys.argv[1]](comm)
+  cases = {"peer_finished": peer_finished, "allreduce_peer_finished": allreduce_peer_finished,
+           "peer_stalls": peer_stalls}
+  cases[sys.argv[1]](comm)
   print(f"rank {comm.rank}: returned normally", flush=True)

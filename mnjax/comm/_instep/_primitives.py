@@ -114,6 +114,21 @@ def _cpu(target, attrs, aliases=None):
   return rule
 
 
+def _cpu_in_halves(start, done, attrs):
+  """Lowering to a start (posts the exchange in place, returns at once) and its done (waits for
+  it): XLA:CPU runs the operations between them, or independent of them, while bytes move."""
+  def rule(ctx, x, after, *, tag=0, **params):
+    native.register()
+    extra = {"tag": np.int64(tag)} if tag else {}
+    started = ffi.ffi_lowering(start + ("_tagged" if tag else ""), has_side_effect=True,
+                               operand_output_aliases={0: 0})(
+        ctx, x, after, **attrs(ctx, **params), **extra)
+    done_ctx = ctx.replace(avals_in=(ctx.avals_in[0],))
+    return ffi.ffi_lowering(done, has_side_effect=True, operand_output_aliases={0: 0})(
+        done_ctx, *started)
+  return rule
+
+
 def _tie(x, after):
   """`x` bit for bit, but computed from `after`: ``x[0] * (1 + 0 * s)``, ``s`` from `after`
   (XLA keeps ``s * 0`` for floats; an ``optimization_barrier`` would be dropped)."""
@@ -200,7 +215,7 @@ def _define(name, shape_fn, cpu_rule, gpu_rule):
 _same = lambda x, **_: x.shape  # noqa: E731
 _allreduce_p = _define(
     "mnjax_allreduce_sum", _same,
-    _cpu("mnjax_mpi_allreduce", _allreduce_attrs, aliases={0: 0}),
+    _cpu_in_halves("mnjax_mpi_allreduce_start", "mnjax_mpi_allreduce_done", _allreduce_attrs),
     _gpu("mpi_allreduce_ffi", _mpi4jax_allreduce_attrs))
 _alltoall_p = _define(
     "mnjax_alltoall", _same,

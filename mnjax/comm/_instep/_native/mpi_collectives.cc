@@ -1,4 +1,4 @@
-// mnjax's MPI collectives as XLA FFI handlers (CPU): allreduce (in place), alltoall,
+// mnjax's MPI collectives as XLA FFI handlers (CPU): allreduce (in place, in two halves), alltoall,
 // allgather, and for `mnjax.functions` (model parallelism) send, recv, bcast, gather,
 // scatter and reduce.
 //
@@ -20,9 +20,14 @@
 // (mnjax.comm._instep._recorder's id for "bucket k of the gradient allreduce", ...), and exist so
 // that a step traced without a timeline lowers exactly as before.
 //
-// Waits: send and recv post non-blocking MPI calls and poll them (AwaitPeer), so a peer that
-// finished its program or never comes ends the job with a named error instead of a hang
-// (docs/design/functions.md, "Waits that cannot complete").
+// Allreduce in two halves: a start posts MPI_Iallreduce and returns, a done returns a future
+// that this process's progress thread completes, so XLA:CPU computes while the bytes move
+// (docs/design/allreduce.md, "The exchange beside compute").
+//
+// Waits: every wait polls its request, paced so that it leaves the core to the step, and a
+// peer that finished its program ends the job with a named error instead of a hang; send and
+// recv also end after MNJAX_WAIT_TIMEOUT (AwaitPeer; docs/design/functions.md, "Waits that
+// cannot complete").
 //
 // MPI handles arrive as int64 attributes (mpi4py's handle values), converted with memcpy so
 // both integer (MPICH) and pointer (Open MPI) handle types work. Built by
@@ -35,7 +40,17 @@
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <sched.h>
+#include <time.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -136,6 +151,12 @@ void AbortOnError(int ierr, MPI_Comm comm, const char* what) {
 std::atomic<double> wait_limit_s{300.0};
 std::atomic<int> departure_tag{-1};
 
+int SizeOf(MPI_Comm c) {
+  int size = 0;
+  MPI_Comm_size(c, &size);
+  return size;
+}
+
 int RankOf(MPI_Comm c) {
   int rank = -1;
   MPI_Comm_rank(c, &rank);
@@ -214,6 +235,202 @@ void AwaitPeer(MPI_Request* request, MPI_Status* status, MPI_Comm c, const char*
   }
 }
 
+// The first rank of `c` whose exit notice has arrived, as a rank of `c` (MPI_UNDEFINED: none).
+// `world` holds the world rank of each rank of `c`.
+int DepartedMember(const std::vector<int>& world) {
+  for (size_t i = 0; i < world.size(); ++i) {
+    if (Departed(world[i])) return static_cast<int>(i);
+  }
+  return MPI_UNDEFINED;
+}
+
+// How a wait on a request paces its tests: spin for the first 50 us (where a fast exchange
+// ends), then yield the core between tests until 2 ms, then sleep 50 us between them, so that
+// a wait on a slow link leaves the core to the step's compute. Each test drives MPI's progress.
+void Pace(std::chrono::steady_clock::duration waited) {
+  if (waited < std::chrono::microseconds(50)) return;
+  if (waited < std::chrono::milliseconds(2)) {
+    sched_yield();
+    return;
+  }
+  struct timespec pause = {0, 50000};
+  nanosleep(&pause, nullptr);
+}
+
+// One in-step collective in flight: its request, what it is (for messages, the watchdog and
+// the timeline), and the future XLA waits on.
+struct InFlight {
+  MPI_Request request;
+  MPI_Comm comm;
+  const char* what;
+  int64_t tag;
+  std::unique_ptr<Counted> counted;  // destroyed when the collective completes
+  ffi::Promise promise;              // completed (by the Completer) with the request
+  std::optional<ffi::Future> future;  // made at the start (one Future per Promise), done returns it
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point next_check = start + std::chrono::milliseconds(100);
+  std::vector<int> world;            // world rank of each rank of `comm`, once needed
+  std::chrono::steady_clock::time_point gone_since{};
+  int gone = MPI_UNDEFINED;          // a rank of `comm` whose exit notice arrived
+};
+
+// Ends the job if a rank of the collective finished its program (its exit notice arrived
+// over 2 s ago: it may have done its part of this very collective just before it left).
+void CheckDeparted(InFlight& f, std::chrono::steady_clock::time_point now) {
+  if (now < f.next_check || departure_tag.load(std::memory_order_relaxed) < 0) return;
+  f.next_check = now + std::chrono::milliseconds(100);
+  if (f.world.empty()) {
+    for (int r = 0, n = SizeOf(f.comm); r < n; ++r) f.world.push_back(WorldRank(f.comm, r));
+  }
+  if (f.gone == MPI_UNDEFINED && (f.gone = DepartedMember(f.world)) != MPI_UNDEFINED) {
+    f.gone_since = now;
+  }
+  if (f.gone == MPI_UNDEFINED || now - f.gone_since < std::chrono::seconds(2)) return;
+  int me = RankOf(f.comm);
+  std::fprintf(stderr,
+               "mnjax: rank %d (world rank %d) waits in an in-step %s (tag %lld), but rank %d"
+               " (world rank %d) finished its program (exited normally): the collective can"
+               " never complete. The ranks must run the same steps: look for a loop or a"
+               " condition that differs between ranks. Aborting the job.\n",
+               me, f.world[me], f.what, static_cast<long long>(f.tag), f.gone, f.world[f.gone]);
+  std::fflush(stderr);
+  MPI_Abort(f.comm, 1);
+}
+
+// Completes the futures of finished collectives, off the progress thread: XLA runs what
+// waited on a future on the thread that completes it, and that work may block (a
+// multi-device step's threads meet in XLA's own rendezvous) until another collective
+// completes. A thread per completion in flight: one is started when every thread is busy,
+// and they stay for the next.
+class Completer {
+ public:
+  static Completer& Get() {
+    static Completer* completer = new Completer();  // never destroyed, as its threads
+    return *completer;
+  }
+
+  void Complete(ffi::Promise promise) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(promise));
+    if (queue_.size() > idle_) {
+      std::thread([this] { Run(); }).detach();
+    } else {
+      wake_.notify_one();
+    }
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      while (queue_.empty()) {
+        ++idle_;
+        wake_.wait(lock);
+        --idle_;
+      }
+      ffi::Promise promise = std::move(queue_.front());
+      queue_.erase(queue_.begin());
+      lock.unlock();
+      promise.SetAvailable();
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::vector<ffi::Promise> queue_;
+  size_t idle_ = 0;
+};
+
+// Completes in-step collectives asynchronously: a handler posts a non-blocking MPI call and
+// returns a future at once, so XLA:CPU runs the step's other operations (the backward
+// layers after an early bucket, the whole step beside double buffering's exchange) while the
+// bytes move; this process's one progress thread tests the requests in flight (paced:
+// `Pace`) and completes their futures, and XLA runs what waited on them. Needs
+// MPI_THREAD_MULTIPLE (mpi4py's default); without it the handler waits itself (`Await`).
+class Progress {
+ public:
+  static Progress& Get() {
+    static Progress* progress = new Progress();  // never destroyed: its thread outlives main
+    return *progress;
+  }
+
+  void Add(std::shared_ptr<InFlight> f) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      incoming_.push_back(std::move(f));
+    }
+    wake_.notify_one();
+  }
+
+ private:
+  Progress() { std::thread([this] { Run(); }).detach(); }
+
+  void Run() {
+    std::vector<std::shared_ptr<InFlight>> active;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (active.empty()) wake_.wait(lock, [this] { return !incoming_.empty(); });
+        for (auto& f : incoming_) active.push_back(std::move(f));
+        incoming_.clear();
+      }
+      auto now = std::chrono::steady_clock::now();
+      auto oldest = now;
+      for (size_t i = 0; i < active.size();) {
+        InFlight& f = *active[i];
+        int done = 0;
+        AbortOnError(MPI_Test(&f.request, &done, MPI_STATUS_IGNORE), f.comm, f.what);
+        if (!done) {
+          CheckDeparted(f, now);
+          oldest = std::min(oldest, f.start);
+          ++i;
+          continue;
+        }
+        std::shared_ptr<InFlight> finished = std::move(active[i]);
+        active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
+        completed_allreduces.fetch_add(1, std::memory_order_relaxed);
+        finished->counted.reset();
+        Completer::Get().Complete(finished->promise);
+      }
+      if (!active.empty()) Pace(now - oldest);
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::vector<std::shared_ptr<InFlight>> incoming_;
+};
+
+// The collectives started and not yet claimed by their done, by the address of their buffer
+// (the start's result aliases its operand, and the done's operand is that result).
+std::mutex started_mutex;
+std::vector<std::pair<void*, std::shared_ptr<InFlight>>> started;
+
+bool ThreadMultiple() {
+  static const bool multiple = [] {
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    return level == MPI_THREAD_MULTIPLE;
+  }();
+  return multiple;
+}
+
+// The handler's own wait, where MPI allows no progress thread.
+void Await(InFlight& f) {
+  for (;;) {
+    int done = 0;
+    AbortOnError(MPI_Test(&f.request, &done, MPI_STATUS_IGNORE), f.comm, f.what);
+    if (done) break;
+    auto now = std::chrono::steady_clock::now();
+    CheckDeparted(f, now);
+    Pace(now - f.start);
+  }
+  completed_allreduces.fetch_add(1, std::memory_order_relaxed);
+  f.counted.reset();
+  f.promise.SetAvailable();
+}
+
 ffi::Error CheckCount(int64_t count) {
   if (count > INT_MAX) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -222,25 +439,66 @@ ffi::Error CheckCount(int64_t count) {
   return ffi::Error::Success();
 }
 
-ffi::Error AllreduceTagged(ffi::AnyBuffer operand, ffi::AnyBuffer after,
-                           ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t op,
-                           int64_t comm, int64_t dtype, int64_t tag) {
+// An allreduce in two halves, so that XLA:CPU computes while the bytes move. The start
+// posts MPI_Iallreduce on its operand, in place, and returns at once (the progress thread
+// drives it); its result is the same buffer, in flight, which only the done reads. The done
+// returns a future that completes with the request. Two calls, not one asynchronous call:
+// XLA:CPU's executor orders a call after every later operation that reuses the memory of one
+// of its operands, and the start's small `after` operand is reused at once; the in-flight
+// buffer stays live until the done, so nothing else is placed in it.
+ffi::Error AllreduceStartTagged(ffi::AnyBuffer operand, ffi::AnyBuffer after,
+                                ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t op,
+                                int64_t comm, int64_t dtype, int64_t tag) {
   if (auto e = CheckCount(count); e.failure()) return e;
   MPI_Comm c = FromInt<MPI_Comm>(comm);
   void* send = operand.untyped_data();
   void* recv = result->untyped_data();
-  Counted counted(kAllreduce, count * TypeSize(FromInt<MPI_Datatype>(dtype)), comm, tag);
-  AbortOnError(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, static_cast<int>(count),
-                             FromInt<MPI_Datatype>(dtype), FromInt<MPI_Op>(op), c),
-               c, "MPI_Allreduce");
-  completed_allreduces.fetch_add(1, std::memory_order_relaxed);
+  auto f = std::make_shared<InFlight>();
+  f->comm = c;
+  f->what = "allreduce";
+  f->tag = tag;
+  f->counted = std::make_unique<Counted>(
+      kAllreduce, count * TypeSize(FromInt<MPI_Datatype>(dtype)), comm, tag);
+  f->future.emplace(f->promise);
+  AbortOnError(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, static_cast<int>(count),
+                              FromInt<MPI_Datatype>(dtype), FromInt<MPI_Op>(op), c, &f->request),
+               c, "MPI_Iallreduce");
+  {
+    std::lock_guard<std::mutex> lock(started_mutex);
+    started.emplace_back(recv, f);
+  }
+  if (ThreadMultiple()) Progress::Get().Add(std::move(f));
   return ffi::Error::Success();
 }
 
-ffi::Error Allreduce(ffi::AnyBuffer operand, ffi::AnyBuffer after,
-                     ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t op,
-                     int64_t comm, int64_t dtype) {
-  return AllreduceTagged(operand, after, result, count, op, comm, dtype, 0);
+ffi::Error AllreduceStart(ffi::AnyBuffer operand, ffi::AnyBuffer after,
+                          ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t op,
+                          int64_t comm, int64_t dtype) {
+  return AllreduceStartTagged(operand, after, result, count, op, comm, dtype, 0);
+}
+
+ffi::Future AllreduceDone(ffi::AnyBuffer operand, ffi::Result<ffi::AnyBuffer> result) {
+  std::shared_ptr<InFlight> f;
+  {
+    std::lock_guard<std::mutex> lock(started_mutex);
+    for (auto it = started.begin(); it != started.end(); ++it) {
+      if (it->first == operand.untyped_data()) {
+        f = std::move(it->second);
+        started.erase(it);
+        break;
+      }
+    }
+  }
+  if (!f) {
+    ffi::Promise failed;
+    ffi::Future future(failed);
+    failed.SetError(ffi::Error(ffi::ErrorCode::kInternal,
+                               "mnjax: an allreduce done found no allreduce started on its"
+                               " buffer (XLA moved the in-flight buffer between the halves)"));
+    return future;
+  }
+  if (!ThreadMultiple()) Await(*f);  // completes the promise here
+  return std::move(*f->future);
 }
 
 // MPI_Alltoall and MPI_Allgather share one signature: `count` items to (and from) each rank.
@@ -466,14 +724,16 @@ extern "C" int64_t mnjax_allreduce_calls() { return completed_allreduces.load();
 extern "C" int64_t mnjax_collectives_entered() { return entered_collectives.load(); }
 extern "C" int64_t mnjax_collectives_completed() { return completed_collectives.load(); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce, Allreduce,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_start, AllreduceStart,
                               Binding().Attr<int64_t>("op").Attr<int64_t>("comm").Attr<int64_t>(
                                   "dtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_done, AllreduceDone,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_alltoall, Alltoall,
                               Binding().Attr<int64_t>("comm").Attr<int64_t>("dtype"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allgather, Allgather,
                               Binding().Attr<int64_t>("comm").Attr<int64_t>("dtype"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_tagged, AllreduceTagged,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_start_tagged, AllreduceStartTagged,
                               Binding()
                                   .Attr<int64_t>("op")
                                   .Attr<int64_t>("comm")
