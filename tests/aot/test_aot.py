@@ -88,7 +88,7 @@ def test_first_bucket_leaves_before_the_last_backward_convolution(target):
 
 def test_mpi_buckets_leave_early_only_when_asked(target):
   """The same check on the flat kind's MPI custom calls, which can fail: waiting for every
-  leaf (the CPU behaviour) keeps the first bucket after the last convolution."""
+  leaf (`buckets_leave_early(False)`) keeps the first bucket after the last convolution."""
   early, _, _ = compiled(target, "flat", allreduce)
   with buckets_leave_early(False):
     late, _, _ = compiled(target, "flat", allreduce)
