@@ -2,8 +2,8 @@
 # The whole test suite: unit tests, the distributed tests in one process and (launched from
 # pytest, each under a timeout) under `mpirun -n 2` and `-n 3`, then the end-to-end jobs.
 # Two pytest workers where there are 2 cores or more (pytest-xdist, a test file each at a
-# time, the longest job files first; a file marked `timed` runs while the other worker waits:
-# tests/conftest.py); MNJAX_TEST_WORKERS=0 runs one test at a time, =N runs N workers.
+# time, the longest job files first: tests/conftest.py); MNJAX_TEST_WORKERS=0 runs one test
+# at a time, =N runs N workers.
 #   scripts/test.sh                              # everything
 #   scripts/test.sh -m "not slow and not mpirun" # the fast subset (docs/testing.md)
 #   scripts/test.sh -k scatter                   # pytest arguments pass through

@@ -4,8 +4,6 @@
 `-n 3`; assertions there are written in terms of `comm.size`.
 """
 
-import contextlib
-import fcntl
 import os
 import shutil
 import tempfile
@@ -77,46 +75,6 @@ def pytest_collection_modifyitems(config, items):
   root = Path(str(config.rootpath))
   items.sort(key=lambda item: order.get(item.path.relative_to(root).as_posix(),
                                         len(LONGEST_FIRST)))
-
-
-@contextlib.contextmanager
-def _turn(request, exclusive: bool):
-  """Holds this run's lock, exclusive or shared, after passing its turnstile (see below)."""
-  if "PYTEST_XDIST_WORKER" not in os.environ or _mpi_rank() is not None:  # runs alone
-    yield
-    return
-  run = request.getfixturevalue("tmp_path_factory").getbasetemp().parent  # shared by workers
-  with open(run / "timed-tests.turnstile", "a") as turnstile, \
-       open(run / "timed-tests.lock", "a") as lock:
-    fcntl.flock(turnstile, fcntl.LOCK_EX)
-    fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-    fcntl.flock(turnstile, fcntl.LOCK_UN)
-    try:
-      yield
-    finally:
-      fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _timed(node) -> bool:
-  return node.get_closest_marker("timed") is not None
-
-
-# Under two pytest workers, a `timed` file (it asserts how soon a job ends, with bounds that
-# a loaded machine can miss) runs while the other worker runs nothing: the file holds an
-# exclusive lock on a file of this run that every other test holds shared. Both pass a
-# turnstile first, so a waiting `timed` file lets no new test start before it. The lock is
-# taken once per file (xdist deals whole files to a worker), so the other worker's test in
-# flight is waited for once, not before every timed test.
-@pytest.fixture(scope="module", autouse=True)
-def _alone_if_timed(request):
-  with _turn(request, exclusive=True) if _timed(request.node) else contextlib.nullcontext():
-    yield
-
-
-@pytest.fixture(autouse=True)
-def _beside_timed(request):
-  with contextlib.nullcontext() if _timed(request.node) else _turn(request, exclusive=False):
-    yield
 
 
 def pytest_runtest_teardown(item):

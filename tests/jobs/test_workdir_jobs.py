@@ -1,7 +1,8 @@
 """The work directory as a user gets it wrong, under mpirun -n 2: two runs in one directory
 (exactly one runs, the other stops at once with the lock's message on both ranks), a work
 directory that is a file, one under a file and one this user may not write to. Each ends
-in under 30 s, non-zero, with the same message from every rank."""
+in under 60 s (a bound against hangs, with room for a loaded machine), non-zero, with the
+same message from every rank."""
 
 import errno
 import json
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from support.launch import run_mpi
 
-pytestmark = [pytest.mark.slow, pytest.mark.mpirun, pytest.mark.timed]
+pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 FLAGS = ["--epochs", "2", "--no-progress"]
 IN_USE = "is in use by another run: pid"
@@ -43,7 +44,7 @@ def test_two_runs_started_together_in_one_workdir_one_runs(tmp_path):
   for rank in (0, 1):
     assert f"[rank {rank}] RuntimeError: mnjax: the work directory" in loser.stdout, loser.stdout
   assert loser.stdout.count(IN_USE) >= 2 and "Fix: wait for that run to end" in loser.stdout
-  assert seconds < 30, seconds
+  assert seconds < 60, seconds
   assert epochs(tmp_path) == [1, 2]  # one run's records, not two interleaved
   assert not (tmp_path / "mnjax.lock").exists()  # released at the end
   assert (tmp_path / "params.npz").exists()
@@ -60,7 +61,7 @@ def test_a_run_started_while_another_holds_the_workdir_stops_at_once(tmp_path):
     result, _ = first.result()
   assert result.returncode == 0, result.stdout[-5000:]
   assert second.returncode != 0 and second.stdout.count(IN_USE) >= 2, second.stdout[-5000:]
-  assert seconds < 30, seconds
+  assert seconds < 60, seconds
   assert epochs(tmp_path) == [1, 2]
 
 
@@ -72,7 +73,7 @@ def check_refused(workdir, *expected):
   for text in expected:
     assert result.stdout.count(text) >= 2, (text, result.stdout[-5000:])
   assert "[failed on ranks [0] of 2]" in result.stdout
-  assert seconds < 30, seconds
+  assert seconds < 60, seconds
 
 
 def test_a_workdir_that_is_a_file(tmp_path):

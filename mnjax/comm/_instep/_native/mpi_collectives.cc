@@ -235,11 +235,15 @@ void AwaitPeer(MPI_Request* request, MPI_Status* status, MPI_Comm c, const char*
   }
 }
 
-// The first rank of `c` whose exit notice has arrived, as a rank of `c` (MPI_UNDEFINED: none).
-// `world` holds the world rank of each rank of `c`.
-int DepartedMember(const std::vector<int>& world) {
-  for (size_t i = 0; i < world.size(); ++i) {
-    if (Departed(world[i])) return static_cast<int>(i);
+// The first rank of `c` whose exit notice has arrived (MPI_UNDEFINED: none). One probe while
+// no notice has arrived at all; the ranks of `c` are looked at only once one has.
+int DepartedMember(MPI_Comm c) {
+  int any = 0;
+  MPI_Iprobe(MPI_ANY_SOURCE, departure_tag.load(std::memory_order_relaxed), MPI_COMM_WORLD,
+             &any, MPI_STATUS_IGNORE);
+  if (!any) return MPI_UNDEFINED;
+  for (int r = 0, n = SizeOf(c); r < n; ++r) {
+    if (Departed(WorldRank(c, r))) return r;
   }
   return MPI_UNDEFINED;
 }
@@ -269,7 +273,6 @@ struct InFlight {
   std::optional<ffi::Future> future;  // made at the start (one Future per Promise), done returns it
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point next_check = start + std::chrono::milliseconds(100);
-  std::vector<int> world;            // world rank of each rank of `comm`, once needed
   std::chrono::steady_clock::time_point gone_since{};
   int gone = MPI_UNDEFINED;          // a rank of `comm` whose exit notice arrived
 };
@@ -279,10 +282,7 @@ struct InFlight {
 void CheckDeparted(InFlight& f, std::chrono::steady_clock::time_point now) {
   if (now < f.next_check || departure_tag.load(std::memory_order_relaxed) < 0) return;
   f.next_check = now + std::chrono::milliseconds(100);
-  if (f.world.empty()) {
-    for (int r = 0, n = SizeOf(f.comm); r < n; ++r) f.world.push_back(WorldRank(f.comm, r));
-  }
-  if (f.gone == MPI_UNDEFINED && (f.gone = DepartedMember(f.world)) != MPI_UNDEFINED) {
+  if (f.gone == MPI_UNDEFINED && (f.gone = DepartedMember(f.comm)) != MPI_UNDEFINED) {
     f.gone_since = now;
   }
   if (f.gone == MPI_UNDEFINED || now - f.gone_since < std::chrono::seconds(2)) return;
@@ -292,7 +292,8 @@ void CheckDeparted(InFlight& f, std::chrono::steady_clock::time_point now) {
                " (world rank %d) finished its program (exited normally): the collective can"
                " never complete. The ranks must run the same steps: look for a loop or a"
                " condition that differs between ranks. Aborting the job.\n",
-               me, f.world[me], f.what, static_cast<long long>(f.tag), f.gone, f.world[f.gone]);
+               me, WorldRank(f.comm, me), f.what, static_cast<long long>(f.tag), f.gone,
+               WorldRank(f.comm, f.gone));
   std::fflush(stderr);
   MPI_Abort(f.comm, 1);
 }
