@@ -11,6 +11,7 @@ that tests/jobs/test_fault_job.py finishes quickly.
 """
 
 import os
+import re
 import signal
 import sys
 import time
@@ -22,6 +23,19 @@ import optax
 import mnjax
 
 STEPS, FAULT_STEP = 8, 3
+
+
+def early_finish_named(stdout: str, short: int, waiting: int) -> bool:
+  """Whether `stdout` names rank `short` as finished while rank `waiting` waits in the last
+  step's collective: the waiting rank's in-step allreduce says so itself (after a 2 s grace),
+  the watchdog (3 s timeouts here) with the steps when it is first."""
+  watchdog = (rf"mnjax watchdog: rank {short} finished \(after step {STEPS - 2} and"
+              rf" {STEPS - 1} in-step collectives\) while rank {waiting} has waited \d+ s in"
+              rf" in-step collective #{STEPS} \(at step {STEPS - 1}\), which rank {short} never"
+              " entered")
+  instep = (rf"mnjax: rank {waiting} \(world rank {waiting}\) waits in an in-step allreduce"
+            rf" \(tag \d+\), but rank {short} \(world rank {short}\) finished its program")
+  return re.search(f"{watchdog}|{instep}", stdout) is not None
 
 
 def main(mode: str) -> None:
