@@ -103,13 +103,12 @@ def _count(aval) -> np.int64:
   return np.int64(np.prod(aval.shape, dtype=np.int64))
 
 
-def _cpu(target, attrs, aliases=None):
+def _cpu(target, attrs):
   """Lowering to an mnjax handler (x, after); a nonzero timeline `tag` selects ``_tagged``."""
   def rule(ctx, x, after, *, tag=0, **params):
     native.register()
-    kw = {"operand_output_aliases": aliases} if aliases else {}
     extra = {"tag": np.int64(tag)} if tag else {}
-    lowering = ffi.ffi_lowering(target + ("_tagged" if tag else ""), has_side_effect=True, **kw)
+    lowering = ffi.ffi_lowering(target + ("_tagged" if tag else ""), has_side_effect=True)
     return lowering(ctx, x, after, **attrs(ctx, **params), **extra)
   return rule
 
