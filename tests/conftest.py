@@ -11,14 +11,8 @@ from pathlib import Path
 
 # Before jax is imported: two CPU devices per process (so the multi-device kinds run as
 # 1 x 2 here and as 2 x 2 and 3 x 2 under tests/jobs/test_mpirun.py, which inherits this), quiet
-# logs. `flat` uses the first device only. The tests' programs are small and compiled once or
-# twice each, so compiling is most of their time: LLVM without its optimisations
-# (`--xla_backend_optimization_level=0`, the HLO passes unchanged) takes the in-process suite
-# from 144 to 118 CPU-s, the `mpirun -n 2` suite from ~420 to 349, the GPU check's smoke run
-# from 90 to 53 s. Every process of a comparison compiles with the same flags; benchmarks
-# outside the tests compile at XLA's default.
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
+# logs. `flat` uses the first device only.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One persistent compilation cache for the whole run, inherited by every mpirun job it
 # launches: the ResNet jobs compile the same steps several times (start, resume).
