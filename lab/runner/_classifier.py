@@ -112,14 +112,19 @@ def classification_sums(logits: jax.Array, labels: jax.Array, per_example_loss: 
   }
 
 
-def zero_sums() -> dict[str, np.ndarray]:
-  """`classification_sums` of no examples, with the step's dtypes (a loop's start value).
+def zero_sums(comm: Communicator | None = None) -> dict[str, np.ndarray]:
+  """`classification_sums` of no examples, with the step's dtypes (a loop's start value):
+  one row per replica of this process under exact sums (``replicas=``), else scalars.
 
   Example:
     >>> zero_sums()["count"].dtype
     dtype('int32')
   """
-  return {"loss_sum": np.float32(0), "correct": np.int32(0), "count": np.int32(0)}
+  if comm is None or not comm.exact:
+    return {"loss_sum": np.float32(0), "correct": np.int32(0), "count": np.int32(0)}
+  rows = comm.local_device_count
+  return {"loss_sum": np.zeros(rows, np.float32), "correct": np.zeros(rows, np.int32),
+          "count": np.zeros(rows, np.int32)}
 
 
 def _train_step(state: TrainState, images, labels, *, label_smoothing: float = 0.0,
@@ -181,12 +186,16 @@ def make_train_step(comm: Communicator, *, label_smoothing: float = 0.0):
 
 def step_for_kind(fn, comm: Communicator):
   """A per-device ``fn(state, images, labels, axis_name=None) -> (state, metric sums)`` as
-  one step over this process's batch, for `comm`'s kind; metrics summed over the process.
+  one step over this process's batch, for `comm`'s kind; metrics summed over the process,
+  or under exact sums (``replicas=``) one row per replica (`zero_sums`), which
+  ``allreduce_metrics(..., per_replica=True)`` adds in the same order at any process count.
 
   Example:
     >>> step = step_for_kind(my_per_device_step, comm)   # doctest: +SKIP
     >>> state, sums = step(state, images, labels)        # doctest: +SKIP
   """
+  if comm.exact:  # each replica's own sums: a process's sum depends on how many there are
+    return data_parallel(fn, comm, batch_argnums=(1, 2), per_device_outputs=(1,))
   if not comm.multi_device:  # jax.jit, plus the check of the step's collective sequence
     return data_parallel(fn, comm, batch_argnums=(1, 2))
   if comm.kind != "xla":
@@ -256,8 +265,18 @@ def evaluate(state: TrainState, batches: Iterable, comm: Communicator) -> dict:
     >>> evaluate(state, eval_batches(x, y, comm, 4), comm)["count"]
     10
   """
-  totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
+  step = _replica_eval_step(comm) if comm.exact else eval_step
+  # jax arrays from the start: 0-d numpy arrays added to the step's sums here went with heap
+  # corruption under mpirun -n 2 (docs/design/allreduce.md, section 2b: not understood yet).
+  totals = jax.tree.map(lambda z: jnp.array(z, copy=True), zero_sums(comm))
   for images, labels, mask, *_ in batches:
-    sums = eval_step(state, images, labels, mask)
-    totals = jax.tree.map(lambda a, b: a + b, totals, sums)
-  return global_mean(allreduce_metrics(totals, comm))
+    totals = jax.tree.map(lambda a, b: a + b, totals, step(state, images, labels, mask))
+  return global_mean(allreduce_metrics(totals, comm, per_replica=comm.exact))
+
+
+@functools.cache
+def _replica_eval_step(comm: Communicator):
+  """`eval_step` on each replica's share of the batch: one row of sums per replica."""
+  mapped = data_parallel(lambda *args: (eval_step(*args),), comm, batch_argnums=(1, 2, 3),
+                         per_device_outputs=(0,))
+  return lambda *args: mapped(*args)[0]

@@ -112,8 +112,8 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
   resume = config.resume or requeued()  # Slurm's requeue reruns the same command
   checkpoints = LoopCheckpoints(
       os.path.join(config.workdir, "checkpoints"), comm, resume=resume,
-      keep=config.keep_checkpoints, settings=settings)
-  state, sums, first_epoch, first_batch = checkpoints.start(state, zero_sums())
+      keep=config.keep_checkpoints, settings=settings, per_replica=comm.exact)
+  state, sums, first_epoch, first_batch = checkpoints.start(state, zero_sums(comm))
   step = int(state.step)
   write_config(config.workdir, config, comm)
   log = MetricsLog(config.workdir, comm)
@@ -154,7 +154,7 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
           checkpoints=checkpoints, preemption=preemption, profiler=profiler, timeline=timeline)
       stragglers = timeline.end_epoch(epoch) if timeline is not None else None  # collective
       check_replicas({"params": state.params, "batch_stats": state.batch_stats}, comm)
-      train = global_mean(allreduce_metrics(sums, comm))
+      train = global_mean(allreduce_metrics(sums, comm, per_replica=comm.exact))
       per_rank = images / seconds
       record = {
           "epoch": epoch, "steps": step, "epoch_seconds": seconds,
@@ -176,7 +176,7 @@ def train_loop(config: RunConfig, comm: Communicator, state: TrainState,
         board.write(step, record)
       if comm.is_root:
         print(epoch_line(record, compiled=epoch == first_epoch), flush=True)
-      sums = zero_sums()
+      sums = zero_sums(comm)
       if config.checkpoint_every and epoch % config.checkpoint_every == 0:
         state = flushed(state, comm, config)
         checkpoints.save(step, state, sums, epoch + 1, 0)

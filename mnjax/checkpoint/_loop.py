@@ -28,6 +28,10 @@ class LoopCheckpoints:
     resume: continue from the newest intact checkpoint; when False, a directory that
       already holds checkpoints is a `FileExistsError` on every rank.
     keep, settings: as `Checkpointer`'s.
+    per_replica: the sums hold one row per replica of this process (as
+      ``allreduce_metrics(..., per_replica=True)`` takes them): saved as every replica's
+      row, restored as this process's rows, so a run of ``replicas=V`` resumes on any
+      number of processes with the sums it would have had.
 
   Example:
     >>> state = {"w": jnp.zeros(3)}                     # e.g. a flax TrainState
@@ -43,16 +47,24 @@ class LoopCheckpoints:
   """
 
   def __init__(self, directory: str, comm: Communicator, *, resume: bool, keep: int = 3,
-               settings: dict | None = None):
+               settings: dict | None = None, per_replica: bool = False):
+    if not isinstance(per_replica, bool):
+      raise TypeError(f"LoopCheckpoints: per_replica must be a bool, got {per_replica!r}.")
     self.comm = comm
     self.resume = resume
+    self.per_replica = per_replica
     self.checkpointer = Checkpointer(directory, comm, keep=keep, settings=settings)
     self._last_step: int | None = None
 
   def start(self, state: Any, zero_sums: Any) -> tuple[Any, Any, int, int]:
     """``(state, sums, epoch, batch)`` to start from: the newest checkpoint's with ``resume``
-    (the rank-summed sums on rank 0, zeros elsewhere), else ``(state, zero_sums, 1, 0)``."""
+    (the rank-summed sums on rank 0, zeros elsewhere; ``per_replica``: this process's rows
+    on every rank), else ``(state, zero_sums, 1, 0)``."""
     saved_sums = jax.tree.map(_widened, zero_sums)
+    if self.per_replica:  # every replica's row
+      saved_sums = jax.tree.map(
+          lambda z: np.zeros((self.comm.num_replicas, *np.shape(z)[1:]), np.asarray(z).dtype),
+          saved_sums)
     restored = self.checkpointer.resume({"train": state, "sums": saved_sums},
                                         requested=self.resume)
     if restored is None:
@@ -60,7 +72,13 @@ class LoopCheckpoints:
       return state, zero_sums, 1, 0
     step, saved, meta = restored
     self._last_step = step
-    sums = saved["sums"] if self.comm.is_root else zero_sums
+    if self.per_replica:  # this process's rows, in the step's dtypes
+      rows = self.comm.local_device_count
+      mine = slice(self.comm.rank * rows, (self.comm.rank + 1) * rows)
+      sums = jax.tree.map(lambda r, z: np.asarray(r)[mine].astype(np.asarray(z).dtype),
+                          saved["sums"], zero_sums)
+    else:
+      sums = saved["sums"] if self.comm.is_root else zero_sums
     return saved["train"], sums, meta["epoch"], meta["batch"]
 
   def save(self, step: int, state: Any, sums: Any, epoch: int, batch: int) -> None:
@@ -69,7 +87,8 @@ class LoopCheckpoints:
     if step == self._last_step:
       return
     self._last_step = step
-    totals = host.allreduce(sums, self.comm, caller="LoopCheckpoints.save")
+    reduce = host.replica_rows if self.per_replica else host.allreduce
+    totals = reduce(sums, self.comm, caller="LoopCheckpoints.save")
     self.checkpointer.save(step, {"train": state, "sums": totals},
                            meta={"epoch": epoch, "batch": batch})
 

@@ -13,6 +13,7 @@ from flax.linen import dtypes as flax_dtypes
 
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._host._broadcast import allreduce_persistent  # a host collective; exported here too
+from mnjax.comm._instep import _exact as exact
 from mnjax.comm._instep import _sequence as sequence
 from mnjax.comm._instep._allreduce import sum_buffer
 
@@ -23,8 +24,9 @@ class SyncBatchNorm(nn.Module):
   """flax ``nn.BatchNorm`` with statistics over every device of every rank of `comm` (ChainerMN's
   ``MultiNodeBatchNormalization``): the same attributes (after `comm`), variables and paths.
   Call it on every rank in the same layers and feature shapes (batch sizes may differ), inside
-  `mnjax.data_parallel`. ``init`` issues no collective. Raises ValueError with ``axis_name``,
-  ``axis_index_groups`` or an exact communicator (``replicas=``).
+  `mnjax.data_parallel`. ``init`` issues no collective. Raises ValueError with ``axis_name``
+  or ``axis_index_groups``. On an exact communicator (``replicas=``) the statistics, and their
+  gradients, are exact sums: the same bits on any number of processes.
 
   Example:
     >>> norm = functools.partial(mnjax.SyncBatchNorm, comm)
@@ -56,12 +58,6 @@ class SyncBatchNorm(nn.Module):
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     """Normalizes `x` with global batch statistics (or running ones); `mask`: True entries count."""
     check_communicator(self.comm, "SyncBatchNorm")
-    if self.comm.exact:
-      raise ValueError(
-          "SyncBatchNorm: its statistics are float sums, whose bits depend on the number of"
-          " processes, but this communicator promises the same bits on any number"
-          " (create_communicator(..., replicas=...)). Use flax's nn.BatchNorm (per-replica"
-          " statistics) with replicas=, or drop replicas= for SyncBatchNorm.")
     if self.axis_name is not None or self.axis_index_groups is not None:
       raise ValueError(
           "SyncBatchNorm: axis_name/axis_index_groups must be None; the communicator"
@@ -160,8 +156,14 @@ def _chained_sum(comm: Communicator, layer: str, parts: list) -> tuple:
         " plus that check, once per trace), as make_train_step does.")
   flat = jnp.concatenate([jnp.ravel(p) for p in parts])
   # over=: a layer over a sub-communicator names its ranks (a model-parallel step pairs it).
-  sequence.note_collective(f"SyncBatchNorm layer {layer}", flat.shape, flat.dtype,
-                           over=comm.mpi_comm)
+  if comm.exact:  # two int32 sums (`sum_buffer`): the exponents, then the limbs
+    sequence.note_collective(f"SyncBatchNorm layer {layer} (exact: exponents)", (exact.BINS,),
+                             np.int32, over=comm.mpi_comm)
+    sequence.note_collective(f"SyncBatchNorm layer {layer} (exact: limbs)",
+                             (exact.LIMBS * flat.size,), np.int32, over=comm.mpi_comm)
+  else:
+    sequence.note_collective(f"SyncBatchNorm layer {layer}", flat.shape, flat.dtype,
+                             over=comm.mpi_comm)
   if _xla_orders_it(comm):
     total = _xla_sum(comm, flat)
   else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,22 +18,38 @@ from mnjax.comm._host._digest import leaf_digest
 __all__ = ["allreduce_metrics", "global_mean", "mean_metrics"]
 
 
-def allreduce_metrics(metrics: Any, comm: Communicator) -> Any:
+def allreduce_metrics(metrics: Any, comm: Communicator, *, per_replica: bool = False) -> Any:
   """Sums a pytree of per-rank metric sums/counts over all ranks (host-level, collective).
 
   Call it on every rank, outside `jax.jit`, with the same tree everywhere (else the same
   `ValueError` on every rank). Integers are summed as int64, floats as float64.
 
+  With ``per_replica=True`` every leaf holds one row per replica of this process (a first
+  axis of ``comm.local_device_count``: per-device outputs of `mnjax.data_parallel`), and the
+  result adds all ``comm.num_replicas`` rows one by one, replica 0 first: under
+  ``create_communicator(..., replicas=V)`` the same bits at any number of processes (a
+  process's sum over its examples, and MPI's order, depend on how many there are).
+
   Args:
     metrics: pytree of scalars or arrays, e.g. ``{"loss_sum": ..., "count": ...}``.
+    per_replica: the leaves are rows of this process's replicas (see above).
 
   Example:
     >>> local = {"correct": 90, "count": 100}    # this rank's shard
     >>> total = mnjax.allreduce_metrics(local, comm)
     >>> accuracy = total["correct"] / total["count"]  # exact over the whole split
+    >>> rows = {"count": np.full(comm.local_device_count, 4)}  # 4 examples per replica
+    >>> int(mnjax.allreduce_metrics(rows, comm, per_replica=True)["count"]) == 4 * comm.num_replicas
+    True
   """
-  totals = host.allreduce(metrics, comm, caller="allreduce_metrics")
-  return jax.tree.map(lambda total: total if total.ndim else total[()], totals)
+  if not isinstance(per_replica, bool):
+    raise TypeError(f"allreduce_metrics: per_replica must be a bool, got {per_replica!r}.")
+  if per_replica:
+    rows = host.replica_rows(metrics, comm, caller="allreduce_metrics")
+    totals = jax.tree.map(lambda r: functools.reduce(np.add, r[1:], r[0].copy()), rows)
+  else:
+    totals = host.allreduce(metrics, comm, caller="allreduce_metrics")
+  return jax.tree.map(lambda total: total if np.ndim(total) else total[()], totals)
 
 
 def global_mean(totals: Mapping[str, Any], count_key: str = "count") -> dict[str, Any]:

@@ -1,11 +1,13 @@
 """The main job with a fixed replica count (experiments/train.py --replicas 12): the same
-final parameters, bit for bit, at 1, 2, 3, 4 and 6 processes, and a run saved at 2
-processes, resumed at 3 and then at 4, equals the uninterrupted run at 6 bit for bit.
+final parameters and the same logged metrics, bit for bit, at 1, 2, 3, 4 and 6 processes,
+and a run saved at 2 processes in the middle of an epoch, resumed at 3 and then at 4, equals
+the uninterrupted run at 6 bit for bit.
 
 Each launch trains the digits CNN over 12 replicas (12 / P emulated CPU devices per
-process) with a global batch of 96; the parameters are compared by their digest. Without
---replicas the same launches give a different digest at each process count
-(docs/results/replicas.md), which is what makes these equalities a test.
+process) with a global batch of 96; the parameters are compared by their digest, the
+metrics as the floats metrics.jsonl holds. Without --replicas the same launches give a
+different digest at each process count (docs/results/replicas.md), which is what makes
+these equalities a test.
 """
 
 import hashlib
@@ -35,18 +37,35 @@ def digest(workdir):
   return hashlib.sha256(b"".join(params[k].tobytes() for k in sorted(params.files))).hexdigest()
 
 
+def metrics(workdir):
+  """Each epoch's logged train and test figures (not its timings)."""
+  keys = ("epoch", "steps", "train_loss", "train_accuracy", "test_loss", "test_accuracy",
+          "test_count")
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return [{k: r[k] for k in keys} for r in records]
+
+
 def test_the_same_bits_at_any_number_of_processes_and_across_resumes(tmp_path):
-  one_epoch = {p: train(tmp_path / f"p{p}", p, 1) for p in (1, 2, 3)}
+  # 15 steps per epoch; checkpoints at steps 4, 8 and 12 as well as at the epoch's end.
+  one_epoch = {p: train(tmp_path / f"p{p}", p, 1, "--checkpoint_steps", "4") for p in (1, 2, 3)}
   assert len(set(one_epoch.values())) == 1, one_epoch
-  # Saved at 2 (epoch 1), resumed at 3 (epoch 2), then at 4 (epoch 3).
+  logged = {p: metrics(tmp_path / f"p{p}") for p in (1, 2, 3)}
+  assert logged[1] == logged[2] == logged[3], logged
+  # Saved at 2 processes after step 8 of epoch 1 (its later checkpoints removed, as if the
+  # job had been killed there: the checkpoint holds every replica's partial metric sums),
+  # resumed at 3 (to the end of epoch 2), then at 4 (epoch 3).
   chain = tmp_path / "chain"
   shutil.copytree(tmp_path / "p2", chain)
+  later = [d for d in (chain / "checkpoints").iterdir() if d.name.isdigit() and int(d.name) > 8]
+  assert len(later) == 2, sorted(d.name for d in (chain / "checkpoints").iterdir())
+  for d in later:
+    shutil.rmtree(d)
   train(chain, 3, 2, "--resume")
   resumed = train(chain, 4, 3, "--resume")
   uninterrupted = train(tmp_path / "p6", 6, 3)
   assert resumed == uninterrupted
-  records = [json.loads(line) for line in (chain / "metrics.jsonl").read_text().splitlines()]
-  assert [r["epoch"] for r in records] == [1, 2, 3]
+  assert metrics(chain) == metrics(tmp_path / "p6")
+  assert [r["epoch"] for r in metrics(chain)] == [1, 2, 3]
 
 
 def test_a_resume_with_another_replica_count_is_refused(tmp_path):

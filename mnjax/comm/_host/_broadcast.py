@@ -18,7 +18,7 @@ from mnjax.comm._instep import _recorder as recorder
 from mnjax.comm._instep._buckets import group_by_dtype
 
 __all__ = ["allreduce", "allreduce_persistent", "broadcast", "check_numbers", "host_sum_dtype",
-           "is_number"]
+           "is_number", "replica_rows"]
 
 
 def is_number(dtype: Any) -> bool:
@@ -77,6 +77,41 @@ def allreduce(tree: Any, comm: Communicator, *, caller: str = "allreduce",
   check_same_tree(as_summed, comm, caller)
   check_numbers(jax.tree_util.tree_unflatten(treedef, leaves), caller, floats_only=floats_only)
   return jax.tree_util.tree_unflatten(treedef, reduce_arrays(arrays, comm))
+
+
+def replica_rows(tree: Any, comm: Communicator, *, caller: str = "replica_rows") -> Any:
+  """Every replica's row of every leaf, on every rank, in replica order (collective).
+
+  Each leaf's first axis holds this process's replicas: ``comm.local_device_count`` rows, for
+  replicas ``rank * L`` to ``rank * L + L - 1`` (``mnjax.data_parallel``'s per-device
+  outputs). The result has all ``comm.num_replicas`` rows in `host_sum_dtype`, with the same
+  bits whatever the number of processes: each row is placed at its replica's index and only
+  added to zeros (``-0.0`` is read as ``0.0``). `caller` names the public function in messages.
+
+  Example:
+    >>> rows = replica_rows({"n": np.ones(comm.local_device_count, np.int32)}, comm)
+    >>> rows["n"].shape == (comm.num_replicas,), rows["n"].dtype
+    (True, dtype('int64'))
+  """
+  check_communicator(comm, caller)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  arrays = [np.asarray(leaf) for _, leaf in leaves]
+  arrays = [a.astype(host_sum_dtype(a.dtype), copy=False) for a in arrays]
+  check_same_tree(jax.tree_util.tree_unflatten(treedef, arrays), comm, caller)
+  check_numbers(jax.tree_util.tree_unflatten(treedef, arrays), caller)
+  rows = comm.local_device_count  # the same on every rank, as the trees now are
+  placed = []
+  for (path, _), a in zip(leaves, arrays):
+    if a.ndim == 0 or a.shape[0] != rows:
+      raise ValueError(
+          f"{caller}: leaf {jax.tree_util.keystr(path) or '<root>'} has shape {a.shape}, but"
+          f" per-replica values need a first axis of this process's {rows} replica(s)"
+          f" (comm.local_device_count), one row each. Return them from the step as"
+          f" per-device outputs (mnjax.data_parallel(..., per_device_outputs=...)).")
+    full = np.zeros((comm.num_replicas, *a.shape[1:]), a.dtype)
+    full[comm.rank * rows:(comm.rank + 1) * rows] = a
+    placed.append(full + a.dtype.type(0) if np.issubdtype(a.dtype, np.inexact) else full)
+  return jax.tree_util.tree_unflatten(treedef, reduce_arrays(placed, comm))
 
 
 def broadcast(tree: Any, comm: Communicator, root: int = 0) -> Any:

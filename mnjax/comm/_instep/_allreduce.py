@@ -171,12 +171,19 @@ def completion_token(leaves: list[Any]) -> jax.Array:
 
 def sum_buffer(buf: jax.Array, comm: Communicator, after: Any = None) -> jax.Array:
   """Sum of a 1-D `buf` over every replica of `comm` in a step, after `after`; not differentiable.
+  On an exact communicator (``replicas=``) an exact sum (`_exact`): the same bits on any layout.
 
   Example:
     >>> total = jax.jit(lambda v: mnjax.comm._instep._allreduce.sum_buffer(v, comm))(jnp.ones(3))
   """
   if comm.num_replicas == 1:
     return buf
+  if comm.exact:  # integer limbs, as the gradient buckets: the same bits on any layout
+    with recorder.tagging("SyncBatchNorm statistics",
+                          bytes=(exact.LIMBS * buf.size + exact.BINS) * 4):
+      total = exact.exact_sum(buf.astype(jnp.float32), comm.num_replicas,
+                              lambda x, a: _REDUCERS[comm.kind](x, comm, None, a), after)
+    return total.astype(buf.dtype)
   with recorder.tagging("SyncBatchNorm statistics", bytes=buf.size * buf.dtype.itemsize):
     return _REDUCERS[comm.kind](buf, comm, None, after)
 
