@@ -98,8 +98,7 @@ def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, 
       raise ValueError(
           f"allreduce_tree: an exact communicator (replicas=) sums float32 gradients (16-bit"
           f" ones travel as float32), got a {bucket.dtype} bucket. Use float32 parameters.")
-    buf = exact.exact_sum(pack(members, jnp.float32), replicas,
-                          lambda x, after: _REDUCERS[comm.kind](x, comm, None, after), previous)
+    buf = _exact_sum(pack(members, jnp.float32), comm, previous)
     post = (lambda x: x / jnp.asarray(replicas, x.dtype)) if mean else None
     for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
       out[i] = leaf
@@ -181,11 +180,17 @@ def sum_buffer(buf: jax.Array, comm: Communicator, after: Any = None) -> jax.Arr
   if comm.exact:  # integer limbs, as the gradient buckets: the same bits on any layout
     with recorder.tagging("SyncBatchNorm statistics",
                           bytes=(exact.LIMBS * buf.size + exact.BINS) * 4):
-      total = exact.exact_sum(buf.astype(jnp.float32), comm.num_replicas,
-                              lambda x, a: _REDUCERS[comm.kind](x, comm, None, a), after)
+      total = _exact_sum(buf.astype(jnp.float32), comm, after)
     return total.astype(buf.dtype)
   with recorder.tagging("SyncBatchNorm statistics", bytes=buf.size * buf.dtype.itemsize):
     return _REDUCERS[comm.kind](buf, comm, None, after)
+
+
+def _exact_sum(buf, comm: Communicator, after):
+  """The exact sum of float32 `buf` over every replica (`_exact`): int32 limbs through the
+  kind's own reduction, the same bits on any layout."""
+  return exact.exact_sum(buf, comm.num_replicas,
+                         lambda x, a: _REDUCERS[comm.kind](x, comm, None, a), after)
 
 
 def _mpi_sum(buf, mpi_comm, wire_dtype, after):
