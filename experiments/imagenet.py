@@ -57,8 +57,9 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 # Short names `--config` also accepts.
 ALIASES = {"digits": "resnet18_digits", "cifar10": "resnet18_cifar10",
            "imagenet": "resnet50_goyal", "synthetic": "resnet50_synthetic"}
-MODELS = {"resnet10": models.ResNet10, "resnet18": models.ResNet18, "resnet34": models.ResNet34,
-          "resnet50": models.ResNet50, "resnet101": models.ResNet101, "resnet152": models.ResNet152}
+MODELS = {"resnet6": models.ResNet6, "resnet10": models.ResNet10, "resnet18": models.ResNet18,
+          "resnet34": models.ResNet34, "resnet50": models.ResNet50, "resnet101": models.ResNet101,
+          "resnet152": models.ResNet152}
 OPTIMIZERS = ("goyal", "lars", "rmsprop_warmup")
 
 

@@ -40,7 +40,7 @@ section records its error and the run goes on). Sections (keys of the JSON):
   not depend on the earlier (`lab.bench.hlo_order`; must be 0); on a CPU also the step
   lowered for CUDA, with its own ``cuda_unchained_pairs``.
 * ``resnet_step``: `lab.bench.resnet`'s seconds per step (ResNet-50, 224 px, 32 images per
-  rank; smoke: ResNet-10, 16 px, 2 images): ``plain`` flax + optax and ``mnjax``
+  rank; smoke: ResNet-6, two blocks, 16 px, 2 images): ``plain`` flax + optax and ``mnjax``
   (SyncBatchNorm + allreduce_gradients) at 1 rank, then at ``--ranks``. ``overhead_size1`` =
   mnjax / plain at 1 rank; ``ranks_over_plain`` = mnjax at N ranks / plain at 1 (ranks that
   share one GPU also share its compute: this measures sharing, not scaling).
@@ -69,7 +69,7 @@ SECTIONS = ("environment", "gradients", "collective_order", "resnet_step", "allr
 TOLERANCE = 1e-5  # relative: max abs difference / max abs reference
 ALLREDUCE_RESERVE = 120  # seconds of the budget the ResNet launches leave to the sweep
 SIZES = {  # --smoke / GPU defaults
-    "smoke": {"resnet": ["--model=resnet10", "--image_size=16", "--batch_per_rank=2",
+    "smoke": {"resnet": ["--model=resnet6", "--image_size=16", "--batch_per_rank=2",
                          "--steps=1", "--rounds=1"],
               "allreduce": ["--max_bytes=1048576", "--rounds=1", "--seconds=0.001"]},
     "full": {"resnet": ["--model=resnet50", "--image_size=224", "--batch_per_rank=32",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -135,7 +136,9 @@ def main(argv):
     return
   from lab.bench.launch import relaunch
 
-  env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
+  env = {"XLA_FLAGS": " ".join(f for f in [os.environ.get("XLA_FLAGS", ""),
+                                           f"--xla_force_host_platform_device_count={args.devices}"]
+                               if f)}
   results = {group: relaunch("kinds", [*argv, "--worker", group], ranks=args.ranks, env=env)
              for group in GROUPS}
   first = results["mpi"]

@@ -43,7 +43,8 @@ from lab.bench.launch import relaunch
 from lab.bench.rounds import time_rounds
 from lab.runner import create_train_state, make_train_step
 
-MODELS = {"resnet10": models.ResNet10, "resnet18": models.ResNet18, "resnet50": models.ResNet50}
+MODELS = {"resnet6": models.ResNet6, "resnet10": models.ResNet10, "resnet18": models.ResNet18,
+          "resnet50": models.ResNet50}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -26,8 +26,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-__all__ = ["BasicBlock", "Bottleneck", "ResNet", "ResNet18", "ResNet34", "ResNet50",
-           "ResNet101", "ResNet152"]
+__all__ = ["BasicBlock", "Bottleneck", "ResNet", "ResNet6", "ResNet10", "ResNet18", "ResNet34",
+           "ResNet50", "ResNet101", "ResNet152"]
 
 STEMS = ("imagenet", "cifar")
 
@@ -138,7 +138,8 @@ class ResNet(nn.Module):
     return nn.Dense(self.num_classes, dtype=self.dtype, name="classifier")(x).astype(jnp.float32)
 
 
-ResNet10 = functools.partial(ResNet, stage_sizes=(1, 1, 1, 1), block=BasicBlock)  # tests, smoke
+ResNet6 = functools.partial(ResNet, stage_sizes=(1, 1), block=BasicBlock)  # tests, smoke runs
+ResNet10 = functools.partial(ResNet, stage_sizes=(1, 1, 1, 1), block=BasicBlock)
 ResNet18 = functools.partial(ResNet, stage_sizes=(2, 2, 2, 2), block=BasicBlock)
 ResNet34 = functools.partial(ResNet, stage_sizes=(3, 4, 6, 3), block=BasicBlock)
 ResNet50 = functools.partial(ResNet, stage_sizes=(3, 4, 6, 3), block=Bottleneck)

@@ -1,4 +1,4 @@
-"""experiments/imagenet.py: a short ResNet-10 run (the CIFAR-10 config, a smaller ResNet) on
+"""experiments/imagenet.py: a short ResNet-6 run (the CIFAR-10 config, two residual blocks) on
 mocked CIFAR-10 under mpirun -n 2, and the same run stopped and resumed mid-epoch."""
 
 import json
@@ -6,18 +6,18 @@ import re
 import shutil
 
 import pytest
-from support.launch import run_mpi
+from support.launch import compile_bound_env, run_mpi
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 FLAGS = ["tests/support/imagenet_job_mocked.py", "--config", "resnet18_cifar10",
-         "--model", "resnet10", "--global_batch_size", "8", "--base_lr", "0.32",
+         "--model", "resnet6", "--global_batch_size", "8", "--base_lr", "0.32",
          "--warmup_epochs", "0"]
 
 
 def run(workdir, *flags):
   result = run_mpi(2, [*FLAGS, "--workdir", str(workdir), *flags], timeout=600,
-                   env={"MNJAX_MOCK_EXAMPLES": "32"})
+                   env={"MNJAX_MOCK_EXAMPLES": "32", **compile_bound_env()})
   assert result.returncode == 0, result.stdout[-8000:]
   digests = dict(re.findall(r"DIGEST rank (\d) ([0-9a-f]{64})", result.stdout))
   assert set(digests) == {"0", "1"}, result.stdout[-4000:]

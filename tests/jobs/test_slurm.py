@@ -207,10 +207,11 @@ def test_srun_with_comm_xla_trains_the_same_parameters(cluster, reference, tmp_p
 
 
 # experiments/imagenet.py on mocked CIFAR-10 (tests/support/imagenet_job_mocked.py prints a
-# digest of each rank's parameters and BN statistics): ResNet-10 at 32 px, 16 examples, 2
-# steps, no evaluation or checkpoint: the least that still runs the experiment's own loop.
+# digest of each rank's parameters and BN statistics): ResNet-6 (two blocks) at 32 px, 16
+# examples, 2 steps, no evaluation or checkpoint: the least that still runs the experiment's
+# own loop.
 IMAGENET = [sys.executable, "tests/support/imagenet_job_mocked.py", "--config",
-            "resnet18_cifar10", "--model", "resnet10", "--global_batch_size", "8", "--epochs",
+            "resnet18_cifar10", "--model", "resnet6", "--global_batch_size", "8", "--epochs",
             "1", "--base_lr", "0.32", "--warmup_epochs", "0", "--no-eval", "--no-progress",
             "--checkpoint_every", "0"]
 MOCKED = {"MNJAX_MOCK_EXAMPLES": "16"}
