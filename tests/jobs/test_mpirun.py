@@ -15,13 +15,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 # At 3 ranks the suite runs only the files where a third rank proves what 2 cannot: an odd
 # number of replicas (sums, means and 16-bit rounding over 3; shares of a leaf that 3 does
 # not divide; ZeRO state resharded to another count), a rank that is neither first nor last
-# (point-to-point chains, roots in the middle, sub-communicators of unequal sizes), and a
+# (roots in the middle, sub-communicators of unequal sizes, point-to-point exchanges), and a
 # mismatch on one rank of several. What is the same at any count above 1 (checkpoints, the
-# loop, the guards' messages, the multi-device kinds' equivalences) runs at 1 and 2 ranks.
+# loop, the guards' messages, the multi-device kinds' equivalences) runs at 1 and 2 ranks;
+# the model-parallel graph, the N-step RNN and the collectives with per-rank shapes run at 4
+# (two middle ranks, and one that holds no stage), not again at 3.
 AT_3 = tuple(f"tests/distributed/{name}.py" for name in (
     "test_agreement", "test_collectives", "test_exact_replicas", "test_functions",
-    "test_functions_parts", "test_host", "test_host_collectives", "test_iterators",
-    "test_local_sgd", "test_multi_node_chain", "test_multi_node_rnn", "test_preflight",
+    "test_host", "test_host_collectives", "test_iterators", "test_local_sgd", "test_preflight",
     "test_scatter_root", "test_shard", "test_shard_checkpoint", "test_sharding", "test_split",
     "test_wire"))
 # SyncBatchNorm over 3 replicas (an odd count), flat kind only: its statistics, gradients and
