@@ -145,12 +145,10 @@ def _checks(args, layout: dict, scratch: str, clock: _Clock) -> dict:
   import numpy as np
 
   from lab.bench.gpu_worker import GROUPS
-  from lab.bench.launch import relaunch
+  from lab.bench.launch import emulated_devices_env, relaunch
 
-  env = {}
-  if not layout["gpus"]:  # emulated multi-device nodes, as lab.bench.kinds
-    env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=2").strip()
+  # emulated multi-device nodes, as lab.bench.kinds
+  env = {} if layout["gpus"] else emulated_devices_env(2)
   launches = {group: clock.run(f"checks_{group}", lambda timeout, group=group: relaunch(
       "gpu", ["--worker", group, f"--global_batch={layout['global_batch']}", "--scratch", scratch],
       ranks=args.ranks if group == "mpi" else layout["xla_processes"], bind=layout["bind"],

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -134,11 +133,9 @@ def main(argv):
     if result is not None:
       print(json.dumps(result))
     return
-  from lab.bench.launch import relaunch
+  from lab.bench.launch import emulated_devices_env, relaunch
 
-  env = {"XLA_FLAGS": " ".join(f for f in [os.environ.get("XLA_FLAGS", ""),
-                                           f"--xla_force_host_platform_device_count={args.devices}"]
-                               if f)}
+  env = emulated_devices_env(args.devices)
   results = {group: relaunch("kinds", [*argv, "--worker", group], ranks=args.ranks, env=env)
              for group in GROUPS}
   first = results["mpi"]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["relaunch", "resnet50_shapes"]
+__all__ = ["emulated_devices_env", "relaunch", "resnet50_shapes"]
 
 
 def relaunch(benchmark: str, argv: list[str], *, ranks: int, bind: str = "core",
@@ -31,6 +31,17 @@ def relaunch(benchmark: str, argv: list[str], *, ranks: int, bind: str = "core",
   if out.returncode != 0:
     raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def emulated_devices_env(devices: int) -> dict[str, str]:
+  """``XLA_FLAGS`` for `relaunch`: the caller's flags, then `devices` emulated CPU devices.
+
+  Example:
+    >>> emulated_devices_env(2)["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=2")
+    True
+  """
+  flag = f"--xla_force_host_platform_device_count={devices}"
+  return {"XLA_FLAGS": " ".join(f for f in [os.environ.get("XLA_FLAGS", ""), flag] if f)}
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:
