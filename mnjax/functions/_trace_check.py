@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Iterator
 
 from mnjax.comm._communicator import Communicator
-from mnjax.comm._instep._compat import outermost_trace, traced_for
+from mnjax.comm._instep._compat import outermost_trace, traced_for, traced_function
 from mnjax.guard import _pairing as pairing
 from mnjax.guard import _preflight as preflight
 
@@ -23,9 +23,20 @@ OUTSIDE_GRAD = (
     " and the ranks' checks would not line up. Differentiate inside the jitted step:"
     " jax.jit(jax.grad(f))")
 
-#: Agreed sequences by (world ranks, step function, sequence): a retrace opens no new round.
-_AGREED: set[tuple] = set()
+#: Agreed sequences by step function: {(world ranks, sequence)}; a retrace opens no new round.
+#: Keyed by the function object (two closures of one factory are two steps), or by its source
+#: location where JAX's frame is not found or the function cannot be weakly referenced.
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_AGREED_BY_NAME: dict[str, set[tuple]] = {}
 _AGREED_LOCK = threading.Lock()
+
+
+def _agreed(step) -> set[tuple]:
+  """The (world ranks, sequence) pairs agreed for `step` (call under `_AGREED_LOCK`)."""
+  try:
+    return _AGREED.setdefault(step, set())
+  except TypeError:  # a string (source location) or an object without weak references
+    return _AGREED_BY_NAME.setdefault(str(step), set())
 
 
 class StepCheck:
@@ -39,10 +50,10 @@ class StepCheck:
     1
   """
 
-  def __init__(self, step: str = ""):
+  def __init__(self, step: object = ""):
     self.log: list[tuple] = []
     self.comms: list[Communicator] = []
-    self.step = step  # the traced function (JAX's "f at file:line"): part of `_AGREED`'s key
+    self.step = step  # the traced function, else its "f at file:line": `_AGREED`'s key
     self._passed = False
     self._error: Exception | None = None
     self._lock = threading.Lock()
@@ -69,13 +80,13 @@ class StepCheck:
         over = self._over()
         world = pairing.world_ranks(over.mpi_comm)
         with _AGREED_LOCK:
-          agreed = {log for w, step, log in _AGREED if (w, step) == (world, self.step)}
+          agreed = {log for w, log in _agreed(self.step) if w == world}
         preflight.check_collective_sequence(over, self.log, caller=_CALLER, agreed=agreed)
       except Exception as error:
         self._error = error
         raise
       with _AGREED_LOCK:
-        _AGREED.add((world, self.step, tuple(self.log)))
+        _agreed(self.step).add((world, tuple(self.log)))
       self._passed = True
 
   def _over(self) -> Communicator:
@@ -124,7 +135,10 @@ def current() -> StepCheck:
 def _new_check(top) -> StepCheck:
   """A new `StepCheck` for `top`; refused under ``jax.grad(jax.jit(f))``."""
   info = getattr(getattr(top, "frame", None), "debug_info", None)
-  check = StepCheck(step="" if info is None else str(info.func_src_info))
+  step = None if top is None else traced_function(top)
+  if step is None:
+    step = "" if info is None else str(info.func_src_info)
+  check = StepCheck(step=step)
   outer = traced_for()
   if outer and outer[-1].startswith("custom_vjp"):
     check.note(None, (pairing.entry(OUTSIDE_GRAD, "refused", ()), (), ""))

@@ -115,10 +115,7 @@ _COLLECTIVES_LATE = (
     " step, or one that does not call the step, leaves the others waiting).")
 _EXCHANGES_LATE = (
     "Every rank of the communicator must trace the step (a rank with nothing to exchange"
-    " too). Under plain jax.jit, two steps built at one source line (closures of one"
-    " factory) share their agreed sequences, so a rank that traces the second with a"
-    " sequence agreed for the first opens no check and the others wait here: build such"
-    " steps with mnjax.functions.jit(step, comm).")
+    " too), the same step functions in the same order.")
 
 
 def check_collective_sequence(comm: Communicator, sequence: Any, *, caller: str,

@@ -362,6 +362,25 @@ def test_a_retrace_with_an_agreed_sequence_opens_no_new_round(comm, monkeypatch)
   other = jax.jit(lambda x, k: gather(x) * k, static_argnums=1)
   other(x, 1)
   assert len(opened) == 2, opened
+  made = [jax.jit(lambda x, k=k: gather(x) * k) for k in (1, 2)]  # one line: two functions
+  for n, made_step in enumerate(made):
+    made_step(x)
+    assert len(opened) == 3 + n, opened
+
+
+@multi_rank
+def test_two_steps_of_one_factory_are_checked_each_on_its_own(comm):
+  """Under plain jax.jit, two closures of one factory (one source location) are two steps:
+  the second is checked although rank 0's sequence equals the first's, so the other ranks'
+  different one is an error on every rank, not a round they would wait in alone."""
+  gather = gathered(comm)
+  def make(n):
+    return jax.jit(lambda x: gather(jnp.tile(x, 1 if comm.rank == 0 else n)))
+  first, second = make(1), make(2)
+  first(jnp.ones(2))
+  with pytest.raises(F.ExchangeError, match="rank 1") as raised:
+    second(jnp.ones(2))
+  same_on_every_rank(comm, raised.value)
 
 
 def test_a_failed_check_is_raised_again_without_a_new_round(comm, monkeypatch):

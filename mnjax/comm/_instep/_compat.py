@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys as _sys
+
 # JAX's traces (`mnjax.functions`' chain). Public: none in jax 0.10.2 (opaque: equality only).
 from jax._src import core as _jax_core
 
@@ -10,6 +12,10 @@ from jax._src import effects as _jax_effects
 
 # Whether JAX started its backends. Public: none in jax 0.10.2 (jax.extend's queries start them).
 from jax._src import xla_bridge as _jax_xla_bridge
+
+# JAX's tracing entry points: the function object a staging trace traces (`traced_function`).
+# Public: none in jax 0.10.2 (``DebugInfo`` names the function by source location only).
+from jax._src.interpreters import partial_eval as _jax_pe
 
 # mpi4jax's CUDA copy-mode flag and switch. Public replacement: none in mpi4jax 0.9.1.
 from mpi4jax._src import decorators as _mpi4jax_decorators
@@ -32,6 +38,7 @@ __all__ = [
   "to_dtype_handle",
   "to_mpi_handle",
   "traced_for",
+  "traced_function",
   "usable_here",
 ]
 
@@ -107,6 +114,34 @@ def traced_for() -> tuple[str, ...]:
   """
   infos = (getattr(getattr(t, "frame", None), "debug_info", None) for t in _enclosing_traces())
   return tuple(str(info.traced_for) for info in infos if info is not None)
+
+
+#: JAX's functions that trace a function into a jaxpr (file, name), each with a local
+#: ``trace`` (the staging trace) and ``fun`` (the function, or a ``WrappedFun`` holding it).
+_TRACERS = {(_jax_pe.__file__, name) for name in ("trace_to_jaxpr", "trace_to_jaxpr_dynamic")}
+
+
+def traced_function(trace):
+  """The Python function `trace` (a staging trace) traces, or None where JAX's frame is not found.
+
+  Two closures of one factory have one source location but are two functions: this tells
+  them apart (read from JAX's ``trace_to_jaxpr_dynamic`` frame on the stack).
+
+  Example:
+    >>> def step(x):
+    ...   assert traced_function(outermost_trace()) is step
+    ...   return x
+    >>> float(jax.jit(step)(1.0))
+    1.0
+  """
+  frame = _sys._getframe(1)
+  while frame is not None:
+    code = frame.f_code
+    if (code.co_filename, code.co_name) in _TRACERS and frame.f_locals.get("trace") is trace:
+      fun = frame.f_locals.get("fun")
+      return fun.f if hasattr(fun, "call_wrapped") else fun
+    frame = frame.f_back
+  return None
 
 
 def register_kept_effect(effect_type: type, *, control_flow: bool = False) -> object:
