@@ -5,7 +5,8 @@ nodes, each variant against the same step with no cross-node exchange.
 allreduce,double_buffering --out r.json`` under ``python -m lab.cluster run`` (or
 ``mpirun``). Models (`MODELS`): ``cnn``, the digits CNN (`lab.models.SmallCNN`, adam, 32
 digits per device) and ``resnet``, a ResNet-10 (`lab.models.ResNet`, one `BasicBlock` per
-stage, CIFAR stem, per-rank BatchNorm, momentum SGD) on synthetic 8x8 images, 4 per device:
+stage, CIFAR stem, per-rank BatchNorm, momentum SGD) on synthetic 8x8 images, 4 per device
+(``--resnet-images``):
 4.9M parameters, small enough that at 1 Gbit/s its exchange, not its compute, is most of
 the step. Variants (`VARIANTS`) are optax chains over the same step (``local_sgd8``: rounds
 of whole multiples of 8 steps, so each holds its meetings); ``no_communication``
@@ -37,7 +38,7 @@ VARIANTS = {
 MODELS = ("cnn", "resnet")
 
 
-def _model(name: str):
+def _model(name: str, resnet_images: int = 4):
   """(flax module, optimizer, images per device, image shape) of a benchmark model."""
   import flax.linen as nn
   import optax
@@ -46,7 +47,7 @@ def _model(name: str):
   if name == "cnn":
     return models.SmallCNN(), optax.adam(1e-3), 32, (8, 8, 1)
   resnet10 = models.ResNet10(num_classes=10, stem="cifar", norm=nn.BatchNorm)
-  return resnet10, optax.sgd(0.01, momentum=0.9), 4, (8, 8, 3)
+  return resnet10, optax.sgd(0.01, momentum=0.9), resnet_images, (8, 8, 3)
 
 
 def _batch(name: str, comm, per_device: int, shape):
@@ -94,7 +95,7 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
   from lab.runner import create_train_state, make_train_step
   from mnjax.comm._instep import _allreduce as collectives
 
-  module, opt, per_device, shape = _model(name)
+  module, opt, per_device, shape = _model(name, args.resnet_images)
   images, labels = _batch(name, comm, per_device, shape)
   local = (None if not comm.multi_device else
            dataclasses.replace(comm, kind="single_node", size=1))   # this process's devices
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--steps", type=int, default=3, help="ResNet steps per timed round")
   p.add_argument("--cnn-steps", type=int, default=20, help="digits CNN steps per timed round")
   p.add_argument("--rounds", type=int, default=3, help="timed rounds per variant")
+  p.add_argument("--resnet-images", type=int, default=4,
+                 help="ResNet images per device (more: more compute for the same exchange)")
   p.add_argument("--out", required=True)
   args = p.parse_args(argv)
   models, variants = args.models.split(","), args.variants.split(",")

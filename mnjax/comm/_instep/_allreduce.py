@@ -106,19 +106,30 @@ def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, 
   if _in_place(members, bucket, wire_dtype, comm):
     # In its own shape: raveling first makes XLA:CPU copy around the in-place call.
     (leaf,) = members
-    previous = _REDUCERS[comm.kind](leaf, comm, None, previous)
-    out[bucket.positions[0]] = previous / jnp.asarray(replicas, leaf.dtype) if mean else previous
-    return previous
+    total, link = _linked_sum(leaf, comm, None, previous)
+    out[bucket.positions[0]] = total / jnp.asarray(replicas, leaf.dtype) if mean else total
+    return link
   if wire_dtype is None:
     buf = pack(members, bucket.dtype)
     post = (lambda x: x / jnp.asarray(replicas, x.dtype)) if mean else None
   else:
     buf = pack(members, wire_dtype if half_pack else bucket.dtype, scale=1.0 / replicas)
     post = None if mean else (lambda x: x.astype(jnp.float32) * replicas)
-  buf = _REDUCERS[comm.kind](buf, comm, wire_dtype, previous)
+  buf, link = _linked_sum(buf, comm, wire_dtype, previous)
   for i, leaf in zip(bucket.positions, unpack(buf, members, post=post)):
     out[i] = leaf
-  return buf
+  return link
+
+
+def _linked_sum(buf, comm: Communicator, wire_dtype, after):
+  """``(sum, the chain's next link)``. On ``flat`` without a 16-bit wire the next bucket starts
+  after this one's start, not its done: every bucket is in flight at once (one at a time, the
+  next start waits for XLA to run the done's continuation, and double buffering's exchange
+  hid nothing); elsewhere the link is the sum."""
+  if comm.kind == "flat" and wire_dtype is None:
+    return mpi_ops.allreduce_sum_linked(buf, comm.device_comm, after)
+  total = _REDUCERS[comm.kind](buf, comm, wire_dtype, after)
+  return total, total
 
 
 def leaves_early(comm: Communicator) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +20,8 @@ from mnjax.comm._instep import _recorder as recorder
 from mnjax.comm._instep._compat import abstract_token, to_dtype_handle, to_mpi_handle
 
 __all__ = [
-    "NO_MPI_DATATYPE", "after_operand", "allgather", "allreduce_sum", "alltoall",
-    "mpi_datatype", "sum_dtype",
+    "NO_MPI_DATATYPE", "after_operand", "allgather", "allreduce_sum", "allreduce_sum_linked",
+    "alltoall", "mpi_datatype", "sum_dtype",
 ]
 
 #: The 16-bit floats, which MPI has no datatype for: moved as raw words, summed as float32.
@@ -70,6 +72,23 @@ def allreduce_sum(x, comm: MPI.Intracomm, after=None):
                            tag=recorder.tag_for_bind())
 
 
+def allreduce_sum_linked(x, comm: MPI.Intracomm, after=None):
+  """``(sum, link)``: `allreduce_sum`, and a uint8 zero that, as a later collective's `after`,
+  orders its start after this one's start only: several exchanges in flight at once (on GPUs,
+  where the call blocks, after the sum).
+
+  Example:
+    >>> def two(a, b):
+    ...   sa, link = allreduce_sum_linked(a, comm.device_comm)
+    ...   return sa, allreduce_sum(b, comm.device_comm, after=link)   # posted beside `a`'s
+    >>> sa, sb = jax.jit(two)(jnp.ones(3), jnp.ones(2))
+    >>> sb.tolist() == [comm.size] * 2
+    True
+  """
+  return _allreduce_linked_p.bind(x, after_operand(after), comm_handle=_handle(comm),
+                                  tag=recorder.tag_for_bind())
+
+
 def alltoall(x, comm: MPI.Intracomm, after=None):
   """Row ``j`` of `x` goes to rank ``j``; row ``j`` of the result came from rank ``j``.
 
@@ -115,17 +134,35 @@ def _cpu(target, attrs):
 
 def _cpu_in_halves(start, done, attrs):
   """Lowering to a start (posts the exchange in place, returns at once) and its done (waits for
-  it): XLA:CPU runs the operations between them, or independent of them, while bytes move."""
-  def rule(ctx, x, after, *, tag=0, **params):
+  it): XLA:CPU runs the operations between them, or independent of them, while bytes move.
+  With ``link``, the start's ``_linked`` form, whose one-byte second result is returned too."""
+  def rule(ctx, x, after, *, tag=0, link=False, **params):
     native.register()
     extra = {"tag": np.int64(tag)} if tag else {}
-    started = ffi.ffi_lowering(start + ("_tagged" if tag else ""), has_side_effect=True,
-                               operand_output_aliases={0: 0})(
-        ctx, x, after, **attrs(ctx, **params), **extra)
-    done_ctx = ctx.replace(avals_in=(ctx.avals_in[0],))
-    return ffi.ffi_lowering(done, has_side_effect=True, operand_output_aliases={0: 0})(
-        done_ctx, *started)
+    target = start + ("_linked" if link else "") + ("_tagged" if tag else "")
+    start_ctx = ctx.replace(avals_out=(ctx.avals_in[0], *ctx.avals_out[1:]))
+    started = ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases={0: 0})(
+        start_ctx, x, after, **attrs(ctx, **params), **extra)
+    done_ctx = ctx.replace(avals_in=(ctx.avals_in[0],), avals_out=ctx.avals_out[:1])
+    finished = ffi.ffi_lowering(done, has_side_effect=True, operand_output_aliases={0: 0})(
+        done_ctx, started[0])
+    return [*finished, *started[1:]]
   return rule
+
+
+def _linked(rule):
+  """A GPU `rule` with a second result: a byte computed from the call's output."""
+  def linked(ctx, x, after, **params):
+    (result,) = rule(ctx.replace(avals_out=ctx.avals_out[:1]), x, after, **params)
+    link_ctx = ctx.replace(avals_in=ctx.avals_out[:1], avals_out=ctx.avals_out[1:])
+    return [result, *mlir.lower_fun(_link_from, multiple_results=False)(link_ctx, result)]
+  return linked
+
+
+def _link_from(result):
+  """A uint8 zero computed from `result` (XLA keeps ``s * 0`` for floats)."""
+  s = jnp.ravel(result)[0].astype(jnp.float32)
+  return (jnp.where(jnp.isfinite(s), s, 0.0) * 0.0).astype(jnp.uint8)
 
 
 def _tie(x, after):
@@ -216,6 +253,16 @@ _allreduce_p = _define(
     "mnjax_allreduce_sum", _same,
     _cpu_in_halves("mnjax_mpi_allreduce_start", "mnjax_mpi_allreduce_done", _allreduce_attrs),
     _gpu("mpi_allreduce_ffi", _mpi4jax_allreduce_attrs))
+_allreduce_linked_p = Primitive("mnjax_allreduce_sum_linked")
+_allreduce_linked_p.multiple_results = True
+_allreduce_linked_p.def_abstract_eval(
+    lambda x, after, **params: [ShapedArray(x.shape, x.dtype), ShapedArray((), jnp.uint8)])
+mlir.register_lowering(_allreduce_linked_p, functools.partial(_cpu_in_halves(
+    "mnjax_mpi_allreduce_start", "mnjax_mpi_allreduce_done", _allreduce_attrs), link=True),
+    platform="cpu")
+mlir.register_lowering(_allreduce_linked_p, _linked(
+    _gpu("mpi_allreduce_ffi", _mpi4jax_allreduce_attrs)), platform="cuda")
+ad.primitive_jvps[_allreduce_linked_p] = _no_differentiation
 _alltoall_p = _define(
     "mnjax_alltoall", _same,
     _cpu("mnjax_mpi_alltoall", _alltoall_attrs),

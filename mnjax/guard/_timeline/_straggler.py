@@ -58,6 +58,17 @@ def collectives(rows_by_rank: list[list[tuple]]) -> tuple[list[list[Collective]]
   return out, arrivals
 
 
+def _union(spans: list[tuple]) -> float:
+  """The total length of the union of intervals ``(from, to)``."""
+  total, end = 0, None
+  for lo, hi in sorted(spans):
+    if end is None or lo > end:
+      total, end = total + hi - lo, hi
+    elif hi > end:
+      total, end = total + hi - end, hi
+  return total
+
+
 def report(rows_by_rank: list[list[tuple]], steps_by_rank: list[dict[int, tuple]]) -> dict:
   """The straggler report: per rank, how often it was a step's straggler and by how much
   (median, p95, ms), and the exchange's and the wait's share of its steps.
@@ -73,7 +84,7 @@ def report(rows_by_rank: list[list[tuple]], steps_by_rank: list[dict[int, tuple]
   size = len(rows_by_rank)
   per_rank, arrivals = collectives(rows_by_rank)
   steps0 = steps_by_rank[0] if steps_by_rank else {}
-  lateness: dict[int, np.ndarray] = {}  # step -> per-rank lateness (ns)
+  waited: dict[int, list[list]] = {}  # step -> per rank: (from, to) the others waited for it
   last_at = np.zeros(size, int)
   matched = 0
   for c in (per_rank[0] if per_rank else []):
@@ -84,7 +95,11 @@ def report(rows_by_rank: list[list[tuple]], steps_by_rank: list[dict[int, tuple]
     ranked = sorted(got.items(), key=lambda kv: kv[1])
     (last_rank, t_last), (_, t_next) = ranked[-1], ranked[-2]
     last_at[last_rank] += 1
-    lateness.setdefault(c["step"], np.zeros(size))[last_rank] += t_last - t_next
+    waited.setdefault(c["step"], [[] for _ in range(size)])[last_rank].append((t_next, t_last))
+  # A rank's lateness in a step: how long the others waited for it alone, the union of those
+  # intervals (collectives in flight together, each waiting on the same delay, count it once).
+  lateness = {step: np.array([_union(spans) for spans in per_rank])
+              for step, per_rank in waited.items()}
   late: list[list[float]] = [[] for _ in range(size)]
   for per_step in lateness.values():
     late[int(np.argmax(per_step))].append(float(per_step.max()) / 1e6)

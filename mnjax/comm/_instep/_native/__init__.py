@@ -25,9 +25,10 @@ def _abi_suffix() -> str:
 
 SOURCE = Path(__file__).with_name("mpi_collectives.cc")
 LIBRARY = Path(__file__).with_name(f"_mpi_collectives{_abi_suffix()}.so")
-TARGETS = ("mnjax_mpi_allreduce_start", "mnjax_mpi_allreduce_done", "mnjax_mpi_alltoall",
-           "mnjax_mpi_allgather", "mnjax_mpi_allreduce_start_tagged", "mnjax_mpi_alltoall_tagged",
-           "mnjax_mpi_allgather_tagged",
+TARGETS = ("mnjax_mpi_allreduce_start", "mnjax_mpi_allreduce_start_linked",
+           "mnjax_mpi_allreduce_start_linked_tagged", "mnjax_mpi_allreduce_done",
+           "mnjax_mpi_alltoall", "mnjax_mpi_allgather", "mnjax_mpi_allreduce_start_tagged",
+           "mnjax_mpi_alltoall_tagged",           "mnjax_mpi_allgather_tagged",
            "mnjax_mark",
            # `mnjax.functions` (model parallelism): point-to-point and rooted collectives
            "mnjax_mpi_send", "mnjax_mpi_recv", "mnjax_mpi_bcast", "mnjax_mpi_gather",

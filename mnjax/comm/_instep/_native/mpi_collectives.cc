@@ -478,6 +478,27 @@ ffi::Error AllreduceStart(ffi::AnyBuffer operand, ffi::AnyBuffer after,
   return AllreduceStartTagged(operand, after, result, count, op, comm, dtype, 0);
 }
 
+// The start with a second result, `link`: one byte written 0 that a later collective takes as
+// its `after`, so that its start waits for this start only, not for this done: several
+// exchanges in flight at once. (A later call taking the in-flight buffer itself as `after`
+// would make XLA copy that buffer, and the done would find no exchange started on the copy.)
+ffi::Error AllreduceStartLinkedTagged(ffi::AnyBuffer operand, ffi::AnyBuffer after,
+                                      ffi::Result<ffi::AnyBuffer> result,
+                                      ffi::Result<ffi::AnyBuffer> link, int64_t count,
+                                      int64_t op, int64_t comm, int64_t dtype, int64_t tag) {
+  ffi::Error e = AllreduceStartTagged(operand, after, result, count, op, comm, dtype, tag);
+  if (e.failure()) return e;
+  std::memset(link->untyped_data(), 0, link->size_bytes());
+  return e;
+}
+
+ffi::Error AllreduceStartLinked(ffi::AnyBuffer operand, ffi::AnyBuffer after,
+                                ffi::Result<ffi::AnyBuffer> result,
+                                ffi::Result<ffi::AnyBuffer> link, int64_t count, int64_t op,
+                                int64_t comm, int64_t dtype) {
+  return AllreduceStartLinkedTagged(operand, after, result, link, count, op, comm, dtype, 0);
+}
+
 ffi::Future AllreduceDone(ffi::AnyBuffer operand, ffi::Result<ffi::AnyBuffer> result) {
   std::shared_ptr<InFlight> f;
   {
@@ -670,6 +691,19 @@ auto Binding() {
       .Attr<int64_t>("count");
 }
 
+// (operand, after) -> (result, link), with the allreduce's attributes.
+auto LinkedBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("count")
+      .Attr<int64_t>("op")
+      .Attr<int64_t>("comm")
+      .Attr<int64_t>("dtype");
+}
+
 }  // namespace
 
 // Starts recording into a ring of at least `capacity` events (0: stops recording); returns
@@ -728,6 +762,10 @@ extern "C" int64_t mnjax_collectives_completed() { return completed_collectives.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_start, AllreduceStart,
                               Binding().Attr<int64_t>("op").Attr<int64_t>("comm").Attr<int64_t>(
                                   "dtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_start_linked, AllreduceStartLinked,
+                              LinkedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_start_linked_tagged,
+                              AllreduceStartLinkedTagged, LinkedBinding().Attr<int64_t>("tag"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_done, AllreduceDone,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_alltoall, Alltoall,
