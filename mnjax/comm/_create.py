@@ -174,7 +174,7 @@ def create_communicator(
 
   Call it before any other JAX call: it picks each process's devices before JAX starts and
   sets ``jax_default_device``. ``MNJAX_EMULATE_NODES=k`` emulates ``k`` nodes;
-  ``MNJAX_WAIT_TIMEOUT=s`` bounds an in-step send or recv (default 300 s).
+  ``MNJAX_WAIT_TIMEOUT=s`` bounds an in-step send, recv or gradient allreduce (default 300 s).
 
   Example:
     >>> import mnjax

@@ -74,13 +74,14 @@ class GradientExchange(NamedTuple):
   Attributes:
     check_params: ``(params) -> None``: refuses, at ``init``, leaves that cannot be reduced.
     check: ``(updates, params, state, **more) -> None``: the checks when traced.
-    reduce: ``(tree) -> tree``: the in-step allreduce with the exchange's options.
+    reduce: ``(tree, keep_inputs=False) -> tree``: the in-step allreduce with the exchange's
+      options (`mnjax.comm.allreduce_tree`'s `keep_inputs`).
     mean: whether `reduce` averages (else sums).
   """
 
   check_params: Callable[[Any], None]
   check: Callable[..., None]
-  reduce: Callable[[Any], Any]
+  reduce: Callable[..., Any]
   mean: bool
 
 
@@ -136,9 +137,10 @@ def gradient_exchange(comm, caller: str, *, mean: bool = True, wire_dtype: Any =
     if comm.num_replicas > 1:  # an eager call: before its exchange, on every rank
       _check_traced(updates, state, params, comm, caller)
 
-  def reduce(tree):
+  def reduce(tree, keep_inputs=False):
     return collectives.allreduce_tree(
-        tree, comm, mean=mean, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
+        tree, comm, mean=mean, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
+        keep_inputs=keep_inputs)
 
   return GradientExchange(check_params, check, reduce, mean)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -166,7 +167,10 @@ def double_buffered_optimizer(tx: optax.GradientTransformation, comm: Communicat
         preflight.tree_signature(pending.pending) if isinstance(pending, PendingGradient)
         else type(pending).__name__)})
     check_pending(updates, pending, _CALLER)  # after the comparison: every rank raises alike
-    previous, exchanged = double_buffered_update(updates, pending, comm, exchange.reduce,
+    # The pending gradient is the step's input, read again by the select of a flushed sum:
+    # reduced into new buffers, XLA copies none of it.
+    reduce = functools.partial(exchange.reduce, keep_inputs=True)
+    previous, exchanged = double_buffered_update(updates, pending, comm, reduce,
                                                  mean=exchange.mean)
     check_inner_update(comm, _CALLER, inner, previous, state.inner_state, params, extra_args)
     new_updates, inner_state = inner.update(previous, state.inner_state, params, **extra_args)

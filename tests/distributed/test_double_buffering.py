@@ -457,3 +457,39 @@ def test_a_resume_that_toggles_shard_optimizer_names_the_flag(comm, tmp_path):
   loop_run(comm, tmp_path / "sharded", epochs=1, double_buffering=False, shard_optimizer=True)
   with pytest.raises(ValueError, match=r"other settings.*'shard_optimizer': \(True, False\)"):
     loop_run(comm, tmp_path / "sharded", epochs=2, resume=True, double_buffering=False)
+
+
+def test_the_pending_gradient_is_exchanged_without_a_copy_beside_the_step(comm):
+  """The compiled step (flat, 2+ ranks) copies none of the pending gradient: its leaves go to
+  MPI from the step's input (new buffers receive the sums), and each bucket's start waits for
+  the previous start only, so every exchange is in flight beside the step's compute."""
+  if comm.size == 1:
+    pytest.skip("one process exchanges nothing")
+  big = {"w": jnp.ones((256, 512)), "v": jnp.ones((512, 256)), "b": jnp.zeros(3)}
+  tx = mnjax.create_multi_node_optimizer(optax.sgd(0.1, momentum=0.9), comm,
+                                         double_buffering=True)
+
+  def step(params, state, x):
+    grads = jax.grad(lambda p: sum(jnp.sum(jnp.tanh(v * x)) for v in jax.tree.leaves(p)))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  text = jax.jit(step).lower(big, tx.init(big), 1.0).compile().as_text()
+  entry = text[text.index("\nENTRY"):]
+  copies = [line for line in entry.splitlines() if " copy(" in line and " f32[" in line]
+  assert not copies, copies
+  starts = [line for line in entry.splitlines() if "mnjax_mpi_allreduce_start_linked" in line]
+  assert len(starts) == 3, starts  # w, v and b, each alone in its bucket
+  # Straight from the step's input, into new buffers ...
+  assert all("custom-call(%state_exchange_pending" in line for line in starts), starts
+  assert all("output_to_operand_aliasing" not in line for line in starts), starts
+  # ... and each start after the previous start (its one-byte link), not after a done.
+  names = [line.split("=")[0].strip() for line in starts]
+  links = [line.split("custom-call(")[1].split(",")[1].strip(" )") for line in starts[1:]]
+  picked = {}  # get-tuple-element name -> (tuple, index)
+  for line in entry.splitlines():
+    if "get-tuple-element(" in line:
+      name, rest = line.split("=", 1)
+      source = rest.split("get-tuple-element(")[1].split(")")[0]
+      picked[name.strip()] = (source, rest.split("index=")[1].split(",")[0])
+  assert [picked.get(link) for link in links] == [(n, "1") for n in names[:-1]], links

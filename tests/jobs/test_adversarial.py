@@ -46,10 +46,13 @@ def test_the_classifier_tells_the_outcomes_apart():
                                       " (exited normally)"),
     ("peer_stalls", "3", "waited 3 s in an in-step recv with rank 1 (world rank 1, tag 0),"
                          " which has not done its part"),
+    ("allreduce_peer_stalls", "3", "rank 0 (world rank 0) waited 3 s in an in-step allreduce"
+                                   " (tag 0) of 2 ranks that not all of them have reached"),
 ])
 def test_an_in_step_wait_that_cannot_complete_ends_the_job_naming_the_peer(case, limit, says):
   """The in-step waits poll: a peer that exited ends a recv or an allreduce after a 2 s
-  grace, one that stays silent ends a recv after MNJAX_WAIT_TIMEOUT, with no watchdog
+  grace, one that stays silent ends a recv or an allreduce after MNJAX_WAIT_TIMEOUT, with no
+  watchdog
   (tests/support/instep_waits.py)."""
   start = time.monotonic()
   result = run_mpi(2, ["tests/support/instep_waits.py", case], timeout=60,

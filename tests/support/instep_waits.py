@@ -6,7 +6,9 @@ each must end the job naming the ranks, not hang. No watchdog runs: the waits th
 - ``allreduce_peer_finished``: rank 1 runs one step fewer of a gradient-allreduce loop and
   exits normally while rank 0 waits in the allreduce;
 - ``peer_stalls``: rank 1 sends once and then sleeps (alive, not exiting) while rank 0 waits
-  in a second recv: ended by the wait bound, ``MNJAX_WAIT_TIMEOUT``.
+  in a second recv: ended by the wait bound, ``MNJAX_WAIT_TIMEOUT``;
+- ``allreduce_peer_stalls``: rank 1 reduces once and then sleeps while rank 0 waits in a
+  second allreduce: ended by the same bound.
 """
 
 import sys
@@ -49,9 +51,18 @@ def peer_stalls(comm) -> None:
     time.sleep(120)
 
 
+def allreduce_peer_stalls(comm) -> None:
+  step = jax.jit(lambda g: mnjax.comm.allreduce_tree(g, comm))
+  for i in range(2 if comm.rank == 0 else 1):
+    jax.block_until_ready(step({"w": jnp.full(4, float(i))}))
+    print(f"rank {comm.rank}: step {i} done", flush=True)
+  if comm.rank == 1:
+    time.sleep(120)
+
+
 if __name__ == "__main__":
   comm = mnjax.create_communicator("flat")
   cases = {"peer_finished": peer_finished, "allreduce_peer_finished": allreduce_peer_finished,
-           "peer_stalls": peer_stalls}
+           "peer_stalls": peer_stalls, "allreduce_peer_stalls": allreduce_peer_stalls}
   cases[sys.argv[1]](comm)
   print(f"rank {comm.rank}: returned normally", flush=True)

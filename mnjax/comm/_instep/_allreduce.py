@@ -32,7 +32,7 @@ __all__ = [
 
 
 def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dtype: Any = None,
-                   bucket_bytes: int | str | None = "auto") -> Any:
+                   bucket_bytes: int | str | None = "auto", keep_inputs: bool = False) -> Any:
   """Sums (or averages) every leaf of `tree` over all replicas, inside a jitted step (inside
   `mnjax.data_parallel` for multi-device kinds). Raises TypeError (non-float leaf), ValueError.
 
@@ -41,6 +41,8 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
     mean: divide the sum by the number of replicas (processes x local devices).
     wire_dtype: None, or ``jnp.bfloat16`` / ``jnp.float16``: 16-bit traffic, float32 sums.
     bucket_bytes: largest buffer in wire bytes (``"auto"``: `default_bucket_bytes`; None: no cap).
+    keep_inputs: leaves reduced alone in their bucket go to new buffers instead of their own
+      (for leaves the step reads again, or its inputs: saves XLA's copy of each).
 
   Example:
     >>> comm = mnjax.create_communicator("flat")
@@ -80,7 +82,8 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
                                over=comm.mpi_comm)
     sent = (exact.LIMBS * size + exact.BINS) * 4 if comm.exact else size * bucket.dtype.itemsize
     with recorder.tagging("bucket allreduce", bucket=k, bytes=sent):
-      previous = _bucket(members, bucket, out, comm, wire_dtype, previous, mean, half_pack)
+      previous = _bucket(members, bucket, out, comm, wire_dtype, previous, mean, half_pack,
+                         keep_inputs)
   if previous is not None:
     sequence.ORDER.put(previous)  # a later collective of the step comes after these
   in_tree_order = [None] * len(out)
@@ -90,7 +93,7 @@ def allreduce_tree(tree: Any, comm: Communicator, *, mean: bool = True, wire_dty
 
 
 def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, previous,
-            mean: bool, half_pack: bool):
+            mean: bool, half_pack: bool, keep_inputs: bool):
   """Reduces one bucket into `out` (at its leaves' positions); returns the chain's new link."""
   replicas = comm.num_replicas
   if comm.exact:  # integer limbs: the same bits whatever the processes (`_exact`)
@@ -106,7 +109,7 @@ def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, 
   if _in_place(members, bucket, wire_dtype, comm):
     # In its own shape: raveling first makes XLA:CPU copy around the in-place call.
     (leaf,) = members
-    total, link = _linked_sum(leaf, comm, None, previous)
+    total, link = _linked_sum(leaf, comm, None, previous, keep_input=keep_inputs)
     out[bucket.positions[0]] = total / jnp.asarray(replicas, leaf.dtype) if mean else total
     return link
   if wire_dtype is None:
@@ -121,13 +124,13 @@ def _bucket(members, bucket: Bucket, out: list, comm: Communicator, wire_dtype, 
   return link
 
 
-def _linked_sum(buf, comm: Communicator, wire_dtype, after):
+def _linked_sum(buf, comm: Communicator, wire_dtype, after, *, keep_input: bool = False):
   """``(sum, the chain's next link)``. On ``flat`` without a 16-bit wire the next bucket starts
   after this one's start, not its done: every bucket is in flight at once (one at a time, the
   next start waits for XLA to run the done's continuation, and double buffering's exchange
   hid nothing); elsewhere the link is the sum."""
   if comm.kind == "flat" and wire_dtype is None:
-    return mpi_ops.allreduce_sum_linked(buf, comm.device_comm, after)
+    return mpi_ops.allreduce_sum_linked(buf, comm.device_comm, after, keep_input=keep_input)
   total = _REDUCERS[comm.kind](buf, comm, wire_dtype, after)
   return total, total
 

@@ -72,10 +72,12 @@ def allreduce_sum(x, comm: MPI.Intracomm, after=None):
                            tag=recorder.tag_for_bind())
 
 
-def allreduce_sum_linked(x, comm: MPI.Intracomm, after=None):
+def allreduce_sum_linked(x, comm: MPI.Intracomm, after=None, *, keep_input: bool = False):
   """``(sum, link)``: `allreduce_sum`, and a uint8 zero that, as a later collective's `after`,
   orders its start after this one's start only: several exchanges in flight at once (on GPUs,
-  where the call blocks, after the sum).
+  where the call blocks, after the sum). `keep_input`: on CPUs MPI writes the sum to a new
+  buffer and `x` stays as it was (no copy where `x` is a step's input, which XLA does not let
+  a call overwrite); otherwise the sum replaces `x` in its own buffer.
 
   Example:
     >>> def two(a, b):
@@ -86,7 +88,7 @@ def allreduce_sum_linked(x, comm: MPI.Intracomm, after=None):
     True
   """
   return _allreduce_linked_p.bind(x, after_operand(after), comm_handle=_handle(comm),
-                                  tag=recorder.tag_for_bind())
+                                  tag=recorder.tag_for_bind(), keep_input=bool(keep_input))
 
 
 def alltoall(x, comm: MPI.Intracomm, after=None):
@@ -135,24 +137,29 @@ def _cpu(target, attrs):
 def _cpu_in_halves(start, done, attrs):
   """Lowering to a start (posts the exchange in place, returns at once) and its done (waits for
   it): XLA:CPU runs the operations between them, or independent of them, while bytes move.
-  With ``link``, the start's ``_linked`` form, whose one-byte second result is returned too."""
-  def rule(ctx, x, after, *, tag=0, link=False, **params):
+  With ``link``, the start's ``_linked`` form, whose one-byte second result is returned too;
+  with ``keep_input``, the start writes a new buffer and the done keeps `x` live until the end."""
+  def rule(ctx, x, after, *, tag=0, link=False, keep_input=False, **params):
     native.register()
     extra = {"tag": np.int64(tag)} if tag else {}
     target = start + ("_linked" if link else "") + ("_tagged" if tag else "")
     start_ctx = ctx.replace(avals_out=(ctx.avals_in[0], *ctx.avals_out[1:]))
-    started = ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases={0: 0})(
+    started = ffi.ffi_lowering(target, has_side_effect=True,
+                               operand_output_aliases=None if keep_input else {0: 0})(
         start_ctx, x, after, **attrs(ctx, **params), **extra)
-    done_ctx = ctx.replace(avals_in=(ctx.avals_in[0],), avals_out=ctx.avals_out[:1])
-    finished = ffi.ffi_lowering(done, has_side_effect=True, operand_output_aliases={0: 0})(
-        done_ctx, started[0])
+    kept = (x,) if keep_input else ()
+    done_ctx = ctx.replace(avals_in=(ctx.avals_in[0],) * (1 + len(kept)),
+                           avals_out=ctx.avals_out[:1])
+    finished = ffi.ffi_lowering(done + ("_keeping" if kept else ""), has_side_effect=True,
+                                operand_output_aliases={0: 0})(done_ctx, started[0], *kept)
     return [*finished, *started[1:]]
   return rule
 
 
 def _linked(rule):
   """A GPU `rule` with a second result: a byte computed from the call's output."""
-  def linked(ctx, x, after, **params):
+  def linked(ctx, x, after, *, keep_input=False, **params):
+    del keep_input  # the GPU call is out of place and blocks
     (result,) = rule(ctx.replace(avals_out=ctx.avals_out[:1]), x, after, **params)
     link_ctx = ctx.replace(avals_in=ctx.avals_out[:1], avals_out=ctx.avals_out[1:])
     return [result, *mlir.lower_fun(_link_from, multiple_results=False)(link_ctx, result)]

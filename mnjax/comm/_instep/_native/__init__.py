@@ -27,9 +27,9 @@ SOURCE = Path(__file__).with_name("mpi_collectives.cc")
 LIBRARY = Path(__file__).with_name(f"_mpi_collectives{_abi_suffix()}.so")
 TARGETS = ("mnjax_mpi_allreduce_start", "mnjax_mpi_allreduce_start_linked",
            "mnjax_mpi_allreduce_start_linked_tagged", "mnjax_mpi_allreduce_done",
-           "mnjax_mpi_alltoall", "mnjax_mpi_allgather", "mnjax_mpi_allreduce_start_tagged",
-           "mnjax_mpi_alltoall_tagged",           "mnjax_mpi_allgather_tagged",
-           "mnjax_mark",
+           "mnjax_mpi_allreduce_done_keeping", "mnjax_mpi_alltoall", "mnjax_mpi_allgather",
+           "mnjax_mpi_allreduce_start_tagged", "mnjax_mpi_alltoall_tagged",
+           "mnjax_mpi_allgather_tagged", "mnjax_mark",
            # `mnjax.functions` (model parallelism): point-to-point and rooted collectives
            "mnjax_mpi_send", "mnjax_mpi_recv", "mnjax_mpi_bcast", "mnjax_mpi_gather",
            "mnjax_mpi_scatter", "mnjax_mpi_reduce")
@@ -139,7 +139,7 @@ DEFAULT_WAIT_TIMEOUT = 300.0
 
 
 def wait_timeout() -> float:
-  """The bound on an in-step point-to-point wait: ``MNJAX_WAIT_TIMEOUT`` or 300 s.
+  """The bound on an in-step send, recv or allreduce wait: ``MNJAX_WAIT_TIMEOUT`` or 300 s.
 
   Example:
     >>> mnjax.comm._instep._native.wait_timeout() > 0

@@ -278,10 +278,27 @@ struct InFlight {
 };
 
 // Ends the job if a rank of the collective finished its program (its exit notice arrived
-// over 2 s ago: it may have done its part of this very collective just before it left).
+// over 2 s ago: it may have done its part of this very collective just before it left), or
+// the collective has waited past `wait_limit_s` (a rank stuck, or in another program).
 void CheckDeparted(InFlight& f, std::chrono::steady_clock::time_point now) {
-  if (now < f.next_check || departure_tag.load(std::memory_order_relaxed) < 0) return;
+  if (now < f.next_check) return;
   f.next_check = now + std::chrono::milliseconds(100);
+  double waited = std::chrono::duration<double>(now - f.start).count();
+  if (waited > wait_limit_s.load(std::memory_order_relaxed)) {
+    int me = RankOf(f.comm);
+    std::fprintf(stderr,
+                 "mnjax: rank %d (world rank %d) waited %.0f s in an in-step %s (tag %lld) of %d"
+                 " ranks that not all of them have reached: a rank is stuck, or runs another"
+                 " program (a step fewer, a condition on the rank, another model). Make every"
+                 " rank run the same steps, or raise the limit with MNJAX_WAIT_TIMEOUT=<seconds>"
+                 " if a rank is only slow (a long checkpoint write or compile). Aborting the"
+                 " job.\n",
+                 me, WorldRank(f.comm, me), waited, f.what, static_cast<long long>(f.tag),
+                 SizeOf(f.comm));
+    std::fflush(stderr);
+    MPI_Abort(f.comm, 1);
+  }
+  if (departure_tag.load(std::memory_order_relaxed) < 0) return;
   if (f.gone == MPI_UNDEFINED && (f.gone = DepartedMember(f.comm)) != MPI_UNDEFINED) {
     f.gone_since = now;
   }
@@ -521,6 +538,15 @@ ffi::Future AllreduceDone(ffi::AnyBuffer operand, ffi::Result<ffi::AnyBuffer> re
   }
   if (!ThreadMultiple()) Await(*f);  // completes the promise here
   return std::move(*f->future);
+}
+
+// The done of a start that reduced into a new buffer: `kept` is the start's operand, which MPI
+// reads until the exchange completes; as an operand here it stays live (XLA places nothing
+// else in it) until then. Nothing reads it.
+ffi::Future AllreduceDoneKeeping(ffi::AnyBuffer operand, ffi::AnyBuffer kept,
+                                 ffi::Result<ffi::AnyBuffer> result) {
+  (void)kept;
+  return AllreduceDone(operand, result);
 }
 
 // MPI_Alltoall and MPI_Allgather share one signature: `count` items to (and from) each rank.
@@ -768,6 +794,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_start_linked_tagged,
                               AllreduceStartLinkedTagged, LinkedBinding().Attr<int64_t>("tag"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allreduce_done, AllreduceDone,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    mnjax_mpi_allreduce_done_keeping, AllreduceDoneKeeping,
+    ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_alltoall, Alltoall,
                               Binding().Attr<int64_t>("comm").Attr<int64_t>("dtype"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(mnjax_mpi_allgather, Allgather,
