@@ -59,7 +59,12 @@ def collectives(rows_by_rank: list[list[tuple]]) -> tuple[list[list[Collective]]
 
 
 def _union(spans: list[tuple]) -> float:
-  """The total length of the union of intervals ``(from, to)``."""
+  """The total length of the union of intervals ``(from, to)``.
+
+  Example:
+    >>> _union([(0, 300), (100, 300), (500, 600)])   # two overlapping waits count once
+    400
+  """
   total, end = 0, None
   for lo, hi in sorted(spans):
     if end is None or lo > end:
