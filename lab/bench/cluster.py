@@ -29,6 +29,7 @@ parts: ``points``, ``step_points``; rewritten after every step point).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -42,11 +43,12 @@ RESNET50 = 25_557_032          # float32 parameters: 102 MB
 FIT = (250_000, 1_000_000, 2_000_000, 4_000_000)   # 1, 4, 8 and 16 MB
 
 
-def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, folder):
+def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, folder,
+         local_baseline=False):
   out = Path(folder) / f"{kind}-{ranks_per_node}-{rate}-{nodes}.json"
   cluster_job(["lab.bench.cluster_worker", "--kind", kind, "--params",
                ",".join(map(str, sizes)), "--wire", ",".join(wires), "--baseline", "--steps",
-               str(steps), "--out", str(out)],
+               str(steps), "--out", str(out), *(["--local-baseline"] if local_baseline else [])],
               nodes=nodes, rate=rate, ranks_per_node=ranks_per_node, devices=devices)
   runs = json.loads(out.read_text())["runs"]
   base = {r["params"]: r["seconds_per_step"] for r in runs if r["wire"] == "none"}
@@ -57,24 +59,44 @@ def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, fol
           for r in runs if r["wire"] != "none"]
 
 
-def fit_link(rows, *, nodes, rate, sizes=FIT, relative=False) -> link.LinkFit | None:
-  """alpha and bandwidth from the ``flat`` one-rank-per-node fp32 rows (`_job`) of `sizes`
-  (`link.fit`); None (and says why) where the link is not the bottleneck."""
-  fits = [r for r in rows if r["kind"] == "flat" and r["ranks_per_node"] == 1
-          and r["wire"] == "fp32" and r["params"] in sizes]
+def burst(rate: str) -> float:
+  """Bytes the shaped uplink lets through at once (`lab.cluster.burst_bytes`; 0 unshaped)."""
+  from lab.cluster import burst_bytes, rate_bits
+  bits = rate_bits(rate)
+  return 0.0 if bits is None else float(burst_bytes(bits))
+
+
+def fit_link(rows, *, nodes, rate, kind="flat", ranks_per_node=1, wire="fp32", sizes=FIT,
+             relative=False) -> link.LinkFit | None:
+  """alpha and bandwidth from the rows (`_job`) of one layout and wire, of `sizes`
+  (`link.fit` on each row's modelled uplink bytes, the shaper's burst known from `rate`);
+  None (and says why) where the link is not the bottleneck. By default the link alone:
+  ``flat``, one rank per node, float32."""
+  fits = [r for r in rows if r["kind"] == kind and r["ranks_per_node"] == ranks_per_node
+          and r["wire"] == wire and r["params"] in sizes]
+  bits = 16 if wire == "bf16" else 32
   try:
-    return link.fit([link.uplink_bytes("flat", 4 * r["params"], nodes=nodes)
-                     for r in fits], [r["exchange_s"] for r in fits], relative=relative)
+    return link.fit([link.uplink_bytes(kind, 4 * r["params"], nodes=nodes,
+                                       ranks_per_node=ranks_per_node, wire_bits=bits)
+                     for r in fits], [r["exchange_s"] for r in fits], relative=relative,
+                    burst=burst(rate))
   except ValueError as e:   # the unshaped link: the cores, not the link, may set the time
-    print(f"no link fit at {rate}, {nodes} nodes: {e}")
+    print(f"no link fit for {kind} x {ranks_per_node} per node ({wire}) at {rate}, {nodes} "
+          f"nodes: {e}")
     return None
 
 
-def fit_job(*, nodes, rate, steps, folder, sizes=FIT, relative=False) -> link.LinkFit | None:
-  """The link's fit from a job of the exchanges of `sizes` float32 parameters alone."""
-  return fit_link(_job("flat", sizes, ["fp32"], nodes=nodes, rate=rate, ranks_per_node=1,
-                       devices=None, steps=steps, folder=folder),
-                  nodes=nodes, rate=rate, sizes=sizes, relative=relative)
+def fit_job(*, nodes, rate, steps, folder, kind="flat", ranks_per_node=1, devices=None,
+            wires=("fp32",), sizes=FIT, relative=False) -> tuple[dict, list[dict]]:
+  """({wire: the fit or None}, the measured rows) from a job of one layout's exchanges of
+  `sizes` float32 parameters alone: what the link and the box's shared cores (the
+  reductions, copies and conversions of every rank on a node) cost that layout, calibrated
+  once per point. Against a baseline averaged over each process's own devices, as the step
+  benchmark's no-exchange step: the exchange is what crosses processes."""
+  rows = _job(kind, sizes, list(wires), nodes=nodes, rate=rate, ranks_per_node=ranks_per_node,
+              devices=devices, steps=steps, folder=folder, local_baseline=True)
+  return {w: fit_link(rows, nodes=nodes, rate=rate, kind=kind, ranks_per_node=ranks_per_node,
+                      wire=w, sizes=sizes, relative=relative) for w in wires}, rows
 
 
 def _point(nodes, rate, steps, folder, big):
@@ -169,8 +191,9 @@ def main(argv: list[str]) -> None:
     if "step" in parts:
       for rate in args.step_rates.split(","):
         for nodes in node_counts:
-          fit = fit_job(nodes=nodes, rate=rate, steps=args.steps, folder=folder,
-                        sizes=cluster_step.FIT, relative=True)
+          fit = functools.partial(fit_job, nodes=nodes, rate=rate, folder=folder,
+                                  steps=cluster_step.FIT_STEPS, sizes=cluster_step.FIT,
+                                  relative=True)
           step_points.append(cluster_step.step_point(nodes, rate, fit, args, folder))
           cluster_step.print_point(step_points[-1])
           _write(args.out, points, step_points, argv, load)   # each point as it comes

@@ -1,25 +1,32 @@
 """``python -m lab.bench cluster``'s step part: train steps across emulated nodes, predicted
 by the link's cost model before they are measured.
 
-Per rate and node count: alpha and bandwidth of the link, fitted once from a job of float32
-exchanges of 64 kB to 16 MB (`FIT`; `lab.costmodel.link.fit` with relative errors: a
-step's buckets are small), then three jobs of `lab.bench.cluster_step_worker` (the
-digits CNN and a ResNet-10, each against the same step with no cross-node exchange):
+Per rate and node count, three jobs of `lab.bench.cluster_step_worker` (the digits CNN and a
+ResNet-10, each against the same step with no cross-node exchange, `JOBS`):
 
-* ``flat``, 1 rank per node (the link alone): plain `allreduce_gradients`, the bf16 wire,
-  backprop-order buckets that leave as soon as their leaves are ready, double buffering;
-* ``flat``, 2 ranks per node, and ``hierarchical`` with 1 process x 2 devices per node:
-  plain `allreduce_gradients`, the digits CNN only (`JOBS`).
+* ``flat``, 1 rank per node (the link alone) and 2 ranks per node: plain
+  `allreduce_gradients`, the bf16 wire (node-aware with 2 ranks per node), backprop-order
+  buckets that leave as soon as their leaves are ready, double buffering, local SGD
+  (every_k=8); the ResNet on the link alone only;
+* ``hierarchical`` with 1 process x 2 devices per node: plain `allreduce_gradients`.
 
 A job that fails is reported (its error in the point's ``failed``) and the others still run.
 
-Before each job its exchange is predicted per variant: every bucket the step sends (the
-plan `allreduce_gradients` uses, `lab.costmodel.step.planned_buckets`) costs
-``alpha + uplink bytes / bandwidth``. The measured exchange is the step's time minus the
-no-exchange step's (same job, alternating rounds). Step efficiency = t(no exchange) /
-t(variant), as in ``python -m lab.bench step``; predicted without overlap (``t0 / (t0 +
-x)``) and fully overlapped (``t0 / max(t0, x)``). ``overlap`` = (t(plain) - t(variant)) /
-min(t0, x(plain)): the share of the hideable time that was hidden (0: none, 1: all).
+The model is calibrated once per job's layout, before the job: a job of float32 (and, where a
+variant uses it, bf16-wire) exchanges of 64 kB to 16 MB in that layout (`FIT`,
+`lab.costmodel.link.fit` with relative errors: a step's buckets are small) gives alpha and
+an effective bandwidth that includes what the box's shared cores add to the link (the
+reductions, copies and conversions of every rank of a node). Each variant's exchange is then
+predicted from its bucket plan (the plan `allreduce_gradients` uses,
+`lab.costmodel.step.planned_buckets`): ``LinkFit.buckets_time``, buckets in flight together
+on ``flat`` without a wire (alpha once), one after the other elsewhere; local SGD's every
+``every_k`` steps. The measured exchange is the step's time minus the no-exchange step's
+(same job, alternating rounds). The exchange rows, where the model claims the time
+(`EXCHANGE_ROWS`: nothing overlaps), are compared to it; the overlapping variants lie
+between the model without overlap and fully overlapped. Step efficiency = t(no exchange) /
+t(variant), as in ``python -m lab.bench step``; predicted without overlap (``t0 / (t0 + x)``)
+and fully overlapped (``t0 / max(t0, x)``). ``overlap`` = (t(plain) - t(variant)) / min(t0,
+x(plain)): the share of the hideable time that was hidden (0: none, 1: all).
 """
 
 from __future__ import annotations
@@ -29,34 +36,46 @@ import time
 from pathlib import Path
 
 from lab.bench.cluster_job import cluster_job
-from lab.bench.cluster_step_worker import VARIANTS
+from lab.bench.cluster_step_worker import NEVER, VARIANTS
 
 # The link's fit: float32 exchanges of 64 kB to 16 MB, relative errors (the CNN's buckets are
 # 5-520 kB, the ResNet's up to 9.4 MB).
 FIT = (16_000, 62_500, 250_000, 1_000_000, 4_000_000)
+FIT_STEPS = 10   # timed steps per size: the small exchanges are a few ms, noisy alone
 
 # (kind, ranks per node, devices per rank, models, variants): the jobs of one point. The
 # ResNet runs on the link alone: its per-rank BatchNorm differs across a process's devices
 # (several devices would need SyncBatchNorm, another exchange), and each of its variants
 # compiles for ~14 s alone on one core, more on the shared ones.
 JOBS = (("flat", 1, None, ("cnn", "resnet"), tuple(VARIANTS)),
-        ("flat", 2, None, ("cnn",), ("allreduce",)),
+        ("flat", 2, None, ("cnn",), tuple(VARIANTS)),
         ("hierarchical", 1, 2, ("cnn",), ("allreduce",)))
+# Variants whose exchange nothing hides: the model's exchange time is a claim about them.
+EXCHANGE_ROWS = ("allreduce", "allreduce_bf16_wire", "local_sgd8")
 
 
-def predicted_exchange(fit, kind: str, buckets: list[float], *, nodes: int,
-                       ranks_per_node: int, bf16: bool) -> float:
-  """Seconds of one step's exchange: each bucket (wire bytes) ``alpha + bytes / bandwidth``.
+def predicted_exchange(fits, kind: str, variant: str, buckets: list[float], *, nodes: int,
+                       ranks_per_node: int) -> float | None:
+  """Seconds of one step's exchange of `buckets` (wire bytes) under `variant`, from the
+  layout's `fits` ({"fp32" | "bf16": LinkFit or None}): `LinkFit.buckets_time`, divided by
+  local SGD's ``every_k``; None without a fit, or for local SGD that never meets.
 
   Example:
     >>> from lab.costmodel.link import LinkFit
-    >>> predicted_exchange(LinkFit(1e-3, 1e8), "flat", [1e6, 1e6], nodes=2,
-    ...                    ranks_per_node=1, bf16=False)
-    0.022
+    >>> fits = {"fp32": LinkFit(1e-3, 1e8), "bf16": LinkFit(2e-3, 1e8)}
+    >>> [round(predicted_exchange(fits, "flat", v, [1e6, 1e6], nodes=2, ranks_per_node=1), 4)
+    ...  for v in ("allreduce", "allreduce_bf16_wire", "local_sgd8")]
+    [0.021, 0.024, 0.0026]
   """
-  scale, bits = (2, 16) if bf16 else (1, 32)
-  return sum(fit.exchange_time(kind, scale * b, nodes=nodes, ranks_per_node=ranks_per_node,
-                               wire_bits=bits) for b in buckets)
+  options = VARIANTS[variant][0]
+  bf16 = "wire_dtype" in options
+  fit = fits.get("bf16" if bf16 else "fp32")
+  if fit is None or options.get("local_sgd") == NEVER:   # no fit; no exchange while timed
+    return None
+  float32 = [2 * b for b in buckets] if bf16 else list(buckets)
+  x = fit.buckets_time(kind, float32, nodes=nodes, ranks_per_node=ranks_per_node,
+                       wire_bits=16 if bf16 else 32, in_flight=kind == "flat" and not bf16)
+  return x / options.get("local_sgd", 1)
 
 
 def overlap(plain_s: float, variant_s: float, no_exchange_s: float) -> float | None:
@@ -81,21 +100,33 @@ def _job(kind, rpn, devices, models, variants, *, nodes, rate, args, folder) -> 
   return json.loads(out.read_text())
 
 
-def step_point(nodes: int, rate: str, fit, args, folder) -> dict:
-  """Predicted and measured rows of every job at one rate and node count."""
+def step_point(nodes: int, rate: str, fit_layout, args, folder) -> dict:
+  """Predicted and measured rows of every job at one rate and node count. `fit_layout(kind=,
+  ranks_per_node=, devices=, wires=)` calibrates the model for a job's layout
+  (({wire: LinkFit or None}, measured rows); `lab.bench.cluster.fit_job`)."""
   from lab.bench.cluster_step_worker import bucket_plan
-  rows, failed = [], []
+  rows, failed, fits_of = [], [], {}
   wanted = args.models.split(",")
   for kind, rpn, devices, models, variants in JOBS:
     models = [m for m in models if m in wanted]
     if not models:
       continue
-    # Predicted first, from the plan alone (the function the worker records its plan with).
-    # local SGD: the exchange once per every_k steps (plus one float per leaf).
-    predicted = {m: {v: fit and predicted_exchange(
-        fit, kind, bucket_plan(m, v), nodes=nodes, ranks_per_node=rpn,
-        bf16="wire_dtype" in VARIANTS[v][0]) / VARIANTS[v][0].get("local_sgd", 1)
-        for v in variants} for m in models}
+    wires = ("fp32", "bf16") if "allreduce_bf16_wire" in variants else ("fp32",)
+    try:
+      fits, measured = fit_layout(kind=kind, ranks_per_node=rpn, devices=devices, wires=wires)
+    except SystemExit as e:   # no model for this layout; its steps are still measured
+      print(f"fit job {kind} x {rpn} per node failed: {str(e)[-600:]}", flush=True)
+      fits, measured = {}, []
+    fits_of[f"{kind} {rpn}x{devices or 1}"] = {
+        w: f and {"alpha_s": f.alpha, "bandwidth_Bps": f.bandwidth, "burst_bytes": f.burst,
+                  "points": [(r["params"], r["exchange_s"]) for r in measured
+                             if r["wire"] == w]}
+        for w, f in fits.items()}
+    # Predicted first, from the fit and the plan alone (the function the worker records its
+    # plan with).
+    predicted = {m: {v: predicted_exchange(fits, kind, v, bucket_plan(m, v), nodes=nodes,
+                                           ranks_per_node=rpn)
+                     for v in variants} for m in models}
     start = time.perf_counter()
     try:
       got = _job(kind, rpn, devices, models, variants, nodes=nodes, rate=rate, args=args,
@@ -111,11 +142,14 @@ def step_point(nodes: int, rate: str, fit, args, folder) -> dict:
       t0 = sec["no_communication"]
       for v in variants:
         x = predicted[model][v]
+        # local SGD's exchange: against the same transformation that never meets (its own
+        # per-step work is not an exchange), where that ran.
+        base = sec.get("local_sgd_alone", t0) if v == "local_sgd8" else t0
         rows.append({
             "kind": kind, "ranks_per_node": rpn, "devices_per_rank": devices or 1,
             "model": model, "params": m["params"], "variant": v,
             "buckets": len(m["bucket_bytes"][v]), "step_s": sec[v], "no_exchange_s": t0,
-            "exchange_s": max(sec[v] - t0, 0.0), "predicted_exchange_s": x,
+            "exchange_s": max(sec[v] - base, 0.0), "predicted_exchange_s": x,
             "efficiency": t0 / sec[v],
             "predicted_efficiency": x and t0 / (t0 + x),
             "predicted_efficiency_overlapped": x and t0 / max(t0, x)})
@@ -124,15 +158,35 @@ def step_point(nodes: int, rate: str, fit, args, folder) -> dict:
                  == (r["kind"], r["ranks_per_node"], r["model"], "allreduce"))
     r["overlap"] = (overlap(plain["step_s"], r["step_s"], r["no_exchange_s"])
                     if r["variant"] in ("buckets_backprop_order", "double_buffering") else None)
-  return {"rate": rate, "nodes": nodes, "alpha_s": fit and fit.alpha,
-          "bandwidth_Bps": fit and fit.bandwidth, "rows": rows, "failed": failed}
+  alone = (fits_of.get("flat 1x1") or {}).get("fp32") or {}
+  return {"rate": rate, "nodes": nodes, "alpha_s": alone.get("alpha_s"),
+          "bandwidth_Bps": alone.get("bandwidth_Bps"), "fits": fits_of, "rows": rows,
+          "failed": failed}
+
+
+def within(rows, tolerance: float = 0.15) -> tuple[int, int]:
+  """(exchange rows whose measured exchange is within `tolerance` of the model's, exchange
+  rows with a model): the model's claim, checked.
+
+  Example:
+    >>> rows = [{"variant": "allreduce", "exchange_s": 1.1, "predicted_exchange_s": 1.0},
+    ...         {"variant": "local_sgd8", "exchange_s": 0.5, "predicted_exchange_s": 1.0},
+    ...         {"variant": "double_buffering", "exchange_s": 0.5, "predicted_exchange_s": 1.0}]
+    >>> within(rows)
+    (1, 2)
+  """
+  mine = [r for r in rows if r["variant"] in EXCHANGE_ROWS and r["predicted_exchange_s"]]
+  good = [r for r in mine if abs(r["exchange_s"] / r["predicted_exchange_s"] - 1) <= tolerance]
+  return len(good), len(mine)
 
 
 def print_point(point: dict) -> None:
-  fit = ("no fit" if point["alpha_s"] is None else
-         f"fit alpha {point['alpha_s'] * 1e3:.1f} ms, bandwidth "
-         f"{point['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s")
-  print(f"\n== steps at {point['rate']}, {point['nodes']} nodes: {fit}")
+  fits = "; ".join(f"{layout} {w}: " + ("none" if f is None else
+                   f"alpha {f['alpha_s'] * 1e3:.1f} ms, {f['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s")
+                   for layout, by_wire in point["fits"].items() for w, f in by_wire.items())
+  good, rows = within(point["rows"])
+  print(f"\n== steps at {point['rate']}, {point['nodes']} nodes: fits {fits}; exchange rows "
+        f"within 15% of the model: {good} of {rows}")
   print(f"{'kind':12} {'rpn':>3} {'dev':>3} {'model':6} {'variant':22} {'bkts':>4} "
         f"{'step ms':>8} {'t0 ms':>7} {'exch ms':>8} {'model':>7} {'meas/model':>10} "
         f"{'eff':>5} {'model':>5} {'ovlp':>5} {'overlap':>7}")
@@ -150,9 +204,10 @@ def print_point(point: dict) -> None:
     print(f"  failed: {f['kind']} x {f['ranks_per_node']} per node: {f['error'][-300:]}")
   for model in dict.fromkeys(r["model"] for r in point["rows"]):
     mine = [r for r in point["rows"] if r["model"] == model]
-    eff = ", ".join(f"{r['kind']} {r['ranks_per_node']}x{r['devices_per_rank']}/node "
-                    f"{r['efficiency']:.2f}" for r in mine if r["variant"] == "allreduce")
-    rest = ", ".join(f"{r['variant']} {r['efficiency']:.2f}" + (
-        "" if r["overlap"] is None else f" (overlap {r['overlap']:.2f})")
-        for r in mine if r["variant"] != "allreduce")
-    print(f"  {model} step efficiency: {eff}; flat 1x1/node: {rest}")
+    for layout in dict.fromkeys((r["kind"], r["ranks_per_node"], r["devices_per_rank"])
+                                for r in mine):
+      here = [r for r in mine if (r["kind"], r["ranks_per_node"], r["devices_per_rank"])
+              == layout]
+      print(f"  {model}, {layout[0]} {layout[1]}x{layout[2]}/node, step efficiency: " + ", ".join(
+          f"{r['variant']} {r['efficiency']:.2f}" + (
+              "" if r["overlap"] is None else f" (overlap {r['overlap']:.2f})") for r in here))

@@ -9,7 +9,8 @@ stage, CIFAR stem, per-rank BatchNorm, momentum SGD) on synthetic 8x8 images, 4 
 (``--resnet-images``):
 4.9M parameters, small enough that at 1 Gbit/s its exchange, not its compute, is most of
 the step. Variants (`VARIANTS`) are optax chains over the same step (``local_sgd8``: rounds
-of whole multiples of 8 steps, so each holds its meetings); ``no_communication``
+of whole multiples of 8 steps, so each holds its meetings; ``local_sgd_alone``: the same
+transformation that never meets while timed); ``no_communication``
 is always timed: plain optax (one device per rank) or gradients averaged over the
 process's own devices only (several), as in ``python -m lab.bench kinds``. Rounds
 alternate between variants (`lab.bench.rounds.time_rounds`: slowest rank, median).
@@ -27,6 +28,7 @@ import functools
 import json
 from pathlib import Path
 
+NEVER = 1 << 30   # local SGD's every_k that no benchmark reaches
 # name -> (allreduce_gradients options, buckets leave early): what each variant changes.
 VARIANTS = {
     "allreduce": ({}, False),                          # plain: buckets after every leaf
@@ -34,6 +36,9 @@ VARIANTS = {
     "buckets_backprop_order": ({}, True),              # the default: leave when ready
     "double_buffering": ({"double_buffering": True}, False),
     "local_sgd8": ({"local_sgd": 8}, False),           # mnjax.optim.local_sgd, every_k=8
+    # The same transformation that never meets while timed: local SGD's own per-step work
+    # (its state through lax.cond), the baseline of local_sgd8's exchange.
+    "local_sgd_alone": ({"local_sgd": NEVER}, False),
 }
 MODELS = ("cnn", "resnet")
 
@@ -125,7 +130,8 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
   runs = {v: functools.partial(lambda s, step: step(s, images, labels)[0], step=steps[v])
           for v in states}
   steps = args.cnn_steps if name == "cnn" else args.steps
-  rounds_of = [VARIANTS[v][0].get("local_sgd", 1) for v in variants]
+  rounds_of = [VARIANTS[v][0].get("local_sgd", 1) for v in variants
+               if VARIANTS[v][0].get("local_sgd") != NEVER]
   period = max(rounds_of, default=1)
   steps = -(-steps // period) * period  # local SGD: whole rounds, one meeting per round
   seconds = time_rounds(states, runs, comm.mpi_comm, rounds=args.rounds, steps=steps)

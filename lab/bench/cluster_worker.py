@@ -13,6 +13,7 @@ namespace (no ``eth0``) ``nodes`` is null. ``--shard``: after those runs, the sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import time
@@ -28,9 +29,12 @@ def _counters() -> tuple[int, int] | None:
   return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
 
 
-def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False) -> dict:
-  """Per-step seconds and uplink bytes of `steps` steps (wire None: no exchange at all;
-  `shard`: `mnjax.shard_optimizer`'s reduce-scatter + allgather instead of an allreduce)."""
+def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False,
+             local_baseline: bool = False) -> dict:
+  """Per-step seconds and uplink bytes of `steps` steps (wire None: no exchange at all, or
+  with `local_baseline` the gradient averaged over the process's own devices only, as the
+  step benchmark's no-exchange step; `shard`: `mnjax.shard_optimizer`'s reduce-scatter +
+  allgather instead of an allreduce)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -40,6 +44,10 @@ def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False) ->
   world = MPI.COMM_WORLD
   dtype = jnp.bfloat16 if wire == "bf16" else None
   links = [] if wire is None else [mnjax.allreduce_gradients(comm, wire_dtype=dtype)]
+  step_comm = comm
+  if wire is None and local_baseline and comm.multi_device:   # this process's devices only
+    step_comm = dataclasses.replace(comm, kind="single_node", size=1)
+    links = [mnjax.allreduce_gradients(step_comm)]
   tx = optax.chain(*links, optax.sgd(0.1))
   if shard and wire is not None:
     tx = mnjax.shard_optimizer(optax.sgd(0.1), comm, wire_dtype=dtype)
@@ -51,7 +59,7 @@ def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False) ->
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  run = mnjax.data_parallel(step, comm, batch_argnums=(2,))
+  run = mnjax.data_parallel(step, step_comm, batch_argnums=(2,))
   params = {"w": jnp.zeros((n,), jnp.float32)}
   opt_state = tx.init(params)
   rows = 2 * comm.local_device_count
@@ -94,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--baseline", action="store_true",
                  help="also time each size with no exchange (the step's own cost)")
+  p.add_argument("--local-baseline", action="store_true",
+                 help="the baseline averages over the process's own devices (multi-device "
+                      "kinds): the exchange is then what crosses processes")
   p.add_argument("--shard", action="store_true",
                  help="also each size and wire with shard_optimizer(sgd) (the flat kind)")
   p.add_argument("--out", required=True)
@@ -109,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
   runs = []
   for n in (int(x) for x in args.params.split(",")):
     for wire in [*wires, *([None] if args.baseline else [])]:
-      runs.append(_measure(comm, n, wire, args.steps))
+      runs.append(_measure(comm, n, wire, args.steps, local_baseline=args.local_baseline))
   if args.shard:
     runs += [_measure(comm, n, wire, args.steps, shard=True)
              for n in (int(x) for x in args.params.split(",")) for wire in wires]

@@ -15,6 +15,7 @@ from lab.cluster._net import (
     PREFIX,
     Cluster,
     ClusterError,
+    burst_bytes,
     check_available,
     down,
     rate_bits,
@@ -22,5 +23,6 @@ from lab.cluster._net import (
     up,
 )
 
-__all__ = ["MAX_NODES", "NETWORK_ENV", "PREFIX", "Cluster", "ClusterError", "check_available",
-           "command", "down", "job_env", "rate_bits", "run", "sweep_orphans", "up"]
+__all__ = ["MAX_NODES", "NETWORK_ENV", "PREFIX", "Cluster", "ClusterError", "burst_bytes",
+           "check_available", "command", "down", "job_env", "rate_bits", "run", "sweep_orphans",
+           "up"]

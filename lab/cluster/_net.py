@@ -167,9 +167,19 @@ def sweep_orphans() -> list[str]:
   return gone
 
 
+def burst_bytes(bits: float) -> int:
+  """Bytes the shaper lets through at once from a full bucket: 2 ms at the rate, at least
+  64 KiB (one GSO segment must fit in the bucket).
+
+  Example:
+    >>> burst_bytes(rate_bits("1gbit"))
+    250000
+  """
+  return max(64 * 1024, int(bits / 8 * 0.002))
+
+
 def _shape(ns: str, dev: str, bits: float) -> None:
-  # A burst of 2 ms at the rate (at least 64 KiB: one GSO segment must fit in the bucket).
-  burst = max(64 * 1024, int(bits / 8 * 0.002))
+  burst = burst_bytes(bits)
   _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits:.0f}bit",
       "burst", str(burst), "latency", "50ms")
 

@@ -135,6 +135,8 @@ PRESETS = {
     "big_basin_50gbe": Cluster("Big Basin (8x P100 NVLink, 50 GbE)", 32, 8, NVLINK1, ETH_50G),
     "horovod_25gbe": Cluster("Uber 2017 (4x P100, 25 GbE)", 32, 4, PCIE3, ETH_25G),
     "h200_ndr": Cluster("H200 + NDR (8x H200, 8x NDR)", 128, 8, NVLINK4, IB_NDR, nics=8),
+    # The same nodes on one 10 GbE (TCP) per node: a slow link, as across sites or clouds.
+    "h200_10gbe": Cluster("H200 + 10 GbE (8x H200, one 10 GbE)", 128, 8, NVLINK4, ETH_10G),
 }
 
 

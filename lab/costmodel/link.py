@@ -68,10 +68,17 @@ def uplink_bytes(kind: str, nbytes: float, *, nodes: int, ranks_per_node: int = 
 
 @dataclasses.dataclass(frozen=True)
 class LinkFit:
-  """``t = alpha + bytes_per_node / bandwidth`` for one exchange over the emulated uplinks."""
+  """``t = alpha + max(0, bytes_per_node - burst) / bandwidth`` for one exchange over the
+  emulated uplinks.
+
+  `burst`: bytes a shaper with a full token bucket lets through at once (tc's ``tbf``
+  ``burst``, `lab.cluster.burst_bytes`: 250 kB at 1 Gbit/s); the bucket refills while a step
+  computes, so each step's exchange gets it once. 0 for a link that is not shaped.
+  """
 
   alpha: float
   bandwidth: float
+  burst: float = 0.0
 
   def exchange_time(self, kind: str, nbytes: float, *, nodes: int, ranks_per_node: int = 1,
                     wire_bits: int = 32) -> float:
@@ -79,20 +86,42 @@ class LinkFit:
 
     >>> LinkFit(1e-3, 1e8).exchange_time("flat", 1e8, nodes=2)
     1.001
+    >>> LinkFit(1e-3, 1e8, burst=2.5e5).exchange_time("flat", 2e5, nodes=2)   # within it
+    0.001
     """
+    return self.buckets_time(kind, [nbytes], nodes=nodes, ranks_per_node=ranks_per_node,
+                             wire_bits=wire_bits)
+
+  def buckets_time(self, kind: str, buckets: list[float], *, nodes: int,
+                   ranks_per_node: int = 1, wire_bits: int = 32,
+                   in_flight: bool = False) -> float:
+    """Predicted seconds of a step's exchange of `buckets` (float32 bytes each).
+
+    One after the other, every bucket pays ``alpha``; `in_flight` (``flat`` without a 16-bit
+    wire: each bucket starts as soon as the previous one has started), the buckets share the
+    link and pay ``alpha`` once. The burst counts once per step.
+
+    >>> f = LinkFit(1e-3, 1e8)
+    >>> [round(f.buckets_time("flat", [1e6, 1e6], nodes=2, in_flight=i), 3) for i in (0, 1)]
+    [0.022, 0.021]
+    """
+    if not buckets:
+      return 0.0
     if nodes == 1:
       return self.alpha
-    sent = uplink_bytes(kind, nbytes, nodes=nodes, ranks_per_node=ranks_per_node,
-                        wire_bits=wire_bits)
-    return self.alpha + sent / self.bandwidth
+    sent = sum(uplink_bytes(kind, b, nodes=nodes, ranks_per_node=ranks_per_node,
+                            wire_bits=wire_bits) for b in buckets)
+    latencies = 1 if in_flight else len(buckets)
+    return latencies * self.alpha + max(0.0, sent - self.burst) / self.bandwidth
 
 
-def fit(bytes_per_node, seconds, *, relative: bool = False) -> LinkFit:
+def fit(bytes_per_node, seconds, *, relative: bool = False, burst: float = 0.0) -> LinkFit:
   """Least-squares alpha and bandwidth from (uplink bytes per exchange, seconds) points.
 
   `relative`: minimise relative, not absolute, errors (each point weighted by 1/seconds), so
   that points of 64 kB count as much as those of 16 MB: alpha is then set by the small
-  messages, as a step's small buckets need it.
+  messages, as a step's small buckets need it. `burst`: the shaper's (`LinkFit`), known from
+  its configuration: the bytes beyond it are what the bandwidth moves.
 
   >>> f = fit([1e6, 1e7, 1e8], [0.011, 0.02, 0.11])
   >>> round(f.alpha, 3), round(f.bandwidth / 1e9, 2)
@@ -100,13 +129,19 @@ def fit(bytes_per_node, seconds, *, relative: bool = False) -> LinkFit:
   >>> b, t = [1e5, 1e6, 1e7, 1e8], [0.002, 0.011, 0.10, 1.2]   # 1 ms + 100 MB/s, 100 MB slow
   >>> [round(fit(b, t, relative=r).alpha * 1e3, 2) for r in (False, True)]   # ms
   [0.0, 0.93]
+  >>> g = fit([1e5, 1e6, 1e7], [0.001, 0.010, 0.100], burst=1e5)   # 100 MB/s after 100 kB
+  >>> round(g.alpha * 1e3, 2), round(g.bandwidth / 1e6), g.burst
+  (1.0, 100, 100000.0)
   """
   b = np.asarray(bytes_per_node, float)
   t = np.asarray(seconds, float)
   if b.shape != t.shape or b.size < 2 or np.any(t <= 0):
     raise ValueError(f"need two or more (bytes, seconds > 0) points; got {b.size}, {t.size}")
-  slope, alpha = np.polyfit(b, t, 1, w=1 / t if relative else None)
+  beyond = np.maximum(b - burst, 0.0)
+  if np.count_nonzero(beyond) < 1 or np.unique(beyond).size < 2:
+    raise ValueError(f"need points of two sizes, one beyond the burst ({burst:.0f} bytes)")
+  slope, alpha = np.polyfit(beyond, t, 1, w=1 / t if relative else None)
   if slope <= 0:
     raise ValueError("the exchange time does not grow with the bytes: the link is not the "
                      "bottleneck (fewer ranks, a lower rate, or larger messages)")
-  return LinkFit(max(float(alpha), 0.0), 1 / float(slope))
+  return LinkFit(max(float(alpha), 0.0), 1 / float(slope), float(burst))

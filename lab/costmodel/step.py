@@ -19,6 +19,11 @@ shows in the step depends on `overlap`:
   `mnjax.SyncBatchNorm` on the MPI kinds, where it starts after the layer's last backward
   collective, near the end of the backward pass: model that case as ``"none"``.
 
+Local SGD and DiLoCo (``step_time(..., sync_every=k)``, `mnjax.optim.local_sgd(tx, comm,
+every_k=k)`): each rank steps on its own gradient and the ranks exchange their parameters
+(as many bytes as the gradient) once every `k` steps, after the update: the exchange is
+``overlap="none"``'s, paid once per `k` steps (``comm / k`` per step, on average).
+
 ZeRO-1 (``step_time(..., shard_optimizer=True)``, `mnjax.shard_optimizer`): the gradient is
 reduce-scattered and the updates all-gathered, the same bytes per rank as the allreduce
 (one allreduce is a reduce-scatter then an all-gather), so ``comm`` is unchanged (one rank
@@ -147,7 +152,7 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
               interference: float = 0.0, software: Software = Software(),
               flat: str = "halving_doubling", nccl: str = "auto",
               bucket_sizes: list[float] | None = None,
-              shard_optimizer: bool = False) -> StepTime:
+              shard_optimizer: bool = False, sync_every: int = 1) -> StepTime:
   """The modelled step of `w` on every GPU of `c` with communicator `kind`.
 
   `wire_bytes`: bytes per gradient element on the wire (4: float32, 2: bf16/fp16 wire).
@@ -156,6 +161,8 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
   cutting ``w.params * wire_bytes`` into equal `bucket_bytes`.
   `shard_optimizer`: the ZeRO-1 step (module docstring): the same ``comm``, ``w.update``
   divided by the GPU count; ``overlap="none"`` only.
+  `sync_every`: local SGD's ``every_k`` (module docstring): the exchange once per that many
+  steps, averaged per step; ``overlap="none"`` only.
 
   >>> from lab.costmodel import hardware as hw
   >>> w = RESNET50.replace(compute=0.1, update=0.02)
@@ -163,6 +170,9 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
   >>> zero, plain = (step_time(w, c, "flat", shard_optimizer=s) for s in (True, False))
   >>> round(zero.compute, 4), zero.comm == plain.comm
   (0.0825, True)
+  >>> local = step_time(w, c, "flat", sync_every=8)
+  >>> round(local.comm * 8 / plain.comm, 6), local.exposed == local.comm
+  (1.0, True)
   """
   if overlap not in OVERLAPS:
     raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
@@ -173,6 +183,11 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
   if shard_optimizer and overlap != "none":
     raise ValueError(f"shard_optimizer=True is modelled with overlap='none' only (the"
                      f" all-gather follows the update), got overlap={overlap!r}")
+  if not isinstance(sync_every, int) or sync_every < 1:
+    raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+  if sync_every > 1 and overlap != "none":
+    raise ValueError(f"sync_every={sync_every} (local SGD) is modelled with overlap='none' only"
+                     f" (the parameters travel after the update), got overlap={overlap!r}")
   if c.gpus == 1:
     return StepTime(w.compute, 0.0, 0.0)
   if shard_optimizer:  # each GPU updates 1/P of the parameters
@@ -181,7 +196,7 @@ def step_time(w: Workload, c: Cluster, kind: str, *, wire_bytes: int = 4,
   sizes = buckets(nbytes, bucket_bytes) if bucket_sizes is None else list(bucket_sizes)
   times = [kind_time(kind, b, c, flat=flat, nccl=nccl) + software.per_call
            + software.pack_time(b) for b in sizes]
-  comm = sum(times)
+  comm = sum(times) / sync_every
   if overlap == "none":
     return StepTime(w.compute, comm, comm)
   if overlap == "double_buffering":

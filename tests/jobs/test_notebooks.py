@@ -20,7 +20,7 @@ FIGURES = {
     "quickstart": ["quickstart_loss"],
     "scaling": ["allreduce_bandwidth", "measured_efficiency", "validation_sensitivity",
                 "predicted_efficiency", "predicted_overlap", "predicted_compiled",
-                "cluster_link"],
+                "cluster_link", "predicted_slow_link"],
 }
 
 

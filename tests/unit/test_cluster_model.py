@@ -83,3 +83,42 @@ def test_fit_recovers_alpha_and_bandwidth():
   assert g.alpha == pytest.approx(2e-3) and g.bandwidth == pytest.approx(1.1e8)
   with pytest.raises(ValueError, match="not the bottleneck"):
     link.fit([1e6, 2e6], [0.2, 0.1])
+
+
+def test_a_steps_buckets_pay_alpha_once_in_flight_and_each_one_after_the_other():
+  f = link.LinkFit(2e-3, 1e8)
+  buckets = [1e6, 2e6, 4e6]
+  one = f.exchange_time("flat", sum(buckets), nodes=4)
+  together = f.buckets_time("flat", buckets, nodes=4, in_flight=True)
+  apart = f.buckets_time("flat", buckets, nodes=4)
+  assert together == pytest.approx(one)   # the bytes of one exchange, one latency
+  assert apart == pytest.approx(one + 2 * f.alpha)
+  # The wire and the layout count as in exchange_time, bucket by bucket.
+  assert f.buckets_time("flat", buckets, nodes=4, ranks_per_node=2, wire_bits=16) == (
+      pytest.approx(sum(f.exchange_time("flat", b, nodes=4, ranks_per_node=2, wire_bits=16)
+                        for b in buckets)))
+  assert f.buckets_time("flat", [], nodes=4) == 0.0
+
+
+def test_the_step_benchmark_predicts_each_variant_from_its_layouts_fit():
+  from lab.bench.cluster_step import EXCHANGE_ROWS, predicted_exchange, within
+  fp32, bf16 = link.LinkFit(1e-3, 1e8), link.LinkFit(3e-3, 5e7)
+  plan = [5e5, 1e6]
+  got = {v: predicted_exchange({"fp32": fp32, "bf16": bf16}, "flat", v, plan, nodes=2,
+                               ranks_per_node=2)
+         for v in ("allreduce", "allreduce_bf16_wire", "local_sgd8")}
+  assert got["allreduce"] == pytest.approx(fp32.buckets_time(
+      "flat", plan, nodes=2, ranks_per_node=2, in_flight=True))
+  # bf16: the plan is in wire bytes (float32 bytes / 2), its own fit, one bucket at a time
+  assert got["allreduce_bf16_wire"] == pytest.approx(bf16.buckets_time(
+      "flat", [2 * b for b in plan], nodes=2, ranks_per_node=2, wire_bits=16))
+  assert got["local_sgd8"] == pytest.approx(got["allreduce"] / 8)
+  # Other kinds chain each bucket through the previous one's sum: alpha per bucket.
+  assert predicted_exchange({"fp32": fp32}, "hierarchical", "allreduce", plan, nodes=2,
+                            ranks_per_node=1) == pytest.approx(
+      fp32.buckets_time("hierarchical", plan, nodes=2))
+  assert predicted_exchange({"fp32": None}, "flat", "allreduce", plan, nodes=2,
+                            ranks_per_node=1) is None
+  rows = [{"variant": v, "exchange_s": x * s, "predicted_exchange_s": x}
+          for v, x, s in zip(EXCHANGE_ROWS, (1.0, 2.0, 3.0), (1.2, 0.9, 1.1))]
+  assert within(rows) == (2, 3)

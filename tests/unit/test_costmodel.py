@@ -337,6 +337,21 @@ def test_the_gpu_default_bucket_is_the_models_choice(kind, gpus):
 
 
 # --- ZeRO-1 (shard_optimizer): the allreduce's wire bytes, 1/P of the update and its state --
+def test_local_sgd_pays_the_exchange_once_per_round():
+  w = step.RESNET50.replace(compute=0.012)
+  c = hw.cluster("h200_10gbe", gpus=256)
+  plain = step.step_time(w, c, "flat")
+  for k in (2, 8, 64):
+    local = step.step_time(w, c, "flat", sync_every=k)
+    assert local.comm == pytest.approx(plain.comm / k) and local.exposed == local.comm
+  assert step.efficiency(w, c, "flat", sync_every=8) > step.efficiency(w, c, "flat")
+  for bad in (0, 1.5, "8"):
+    with pytest.raises(ValueError, match="sync_every must be an int"):
+      step.step_time(w, c, "flat", sync_every=bad)
+  with pytest.raises(ValueError, match="overlap='none' only"):
+    step.step_time(w, c, "flat", sync_every=8, overlap="backward")
+
+
 def test_zero1_step_divides_the_update_and_the_state_not_the_wire():
   w = step.RESNET50.replace(compute=0.1, update=0.02)
   c = hw.cluster("h200_ndr", gpus=8)
