@@ -5,8 +5,9 @@
     python -m lab.bench cluster --parts step            # train steps at 1gbit x 2, 4 nodes
 
 Two parts (``--parts exchange,step``, both by default); the step part (train steps of the
-digits CNN and a ResNet-10 per kind, double buffering and backprop-order buckets against
-plain `allreduce_gradients`, at ``--step-rates``) is `lab.bench.cluster_step`'s. The
+digits CNN and a ResNet-10 per layout: plain `allreduce_gradients`, the bf16 wire,
+backprop-order buckets, double buffering and local SGD, each predicted by the link model
+calibrated for its layout, at ``--step-rates``) is `lab.bench.cluster_step`'s. The
 exchange part:
 
 Needs root. Per rate (``none``: the unshaped ceiling of this box's veth/TCP) and node count,
