@@ -14,9 +14,10 @@ A job that fails is reported (its error in the point's ``failed``) and the other
 
 The model is calibrated once per job's layout, before the job: a job of float32 (and, where a
 variant uses it, bf16-wire) exchanges of 64 kB to 16 MB in that layout (`FIT`,
-`lab.costmodel.link.fit` with relative errors: a step's buckets are small) gives alpha and
-an effective bandwidth that includes what the box's shared cores add to the link (the
-reductions, copies and conversions of every rank of a node). Each variant's exchange is then
+`lab.costmodel.link.fit` with relative errors: a step's buckets are small; the shaper's
+burst known from the rate) gives alpha and an effective bandwidth that includes what the
+box's shared cores add to the link (the reductions, copies and conversions of every rank of
+a node). Each variant's exchange is then
 predicted from its bucket plan (the plan `allreduce_gradients` uses,
 `lab.costmodel.step.planned_buckets`): ``LinkFit.buckets_time``, buckets in flight together
 on ``flat`` without a wire (alpha once), one after the other elsewhere; local SGD's every
@@ -117,10 +118,11 @@ def step_point(nodes: int, rate: str, fit_layout, args, folder) -> dict:
     except SystemExit as e:   # no model for this layout; its steps are still measured
       print(f"fit job {kind} x {rpn} per node failed: {str(e)[-600:]}", flush=True)
       fits, measured = {}, []
-    fits_of[f"{kind} {rpn}x{devices or 1}"] = {
-        w: f and {"alpha_s": f.alpha, "bandwidth_Bps": f.bandwidth, "burst_bytes": f.burst,
-                  "points": [(r["params"], r["exchange_s"]) for r in measured
-                             if r["wire"] == w]}
+    # The measured points are kept with or without a fit: where none came, they say why.
+    fits_of[f"{kind} {rpn}x{devices or 1}"] = {w: {
+        **({} if f is None else {"alpha_s": f.alpha, "bandwidth_Bps": f.bandwidth,
+                                 "burst_bytes": f.burst}),
+        "points": [(r["params"], r["exchange_s"]) for r in measured if r["wire"] == w]}
         for w, f in fits.items()}
     # Predicted first, from the fit and the plan alone (the function the worker records its
     # plan with).
@@ -158,7 +160,7 @@ def step_point(nodes: int, rate: str, fit_layout, args, folder) -> dict:
                  == (r["kind"], r["ranks_per_node"], r["model"], "allreduce"))
     r["overlap"] = (overlap(plain["step_s"], r["step_s"], r["no_exchange_s"])
                     if r["variant"] in ("buckets_backprop_order", "double_buffering") else None)
-  alone = (fits_of.get("flat 1x1") or {}).get("fp32") or {}
+  alone = fits_of.get("flat 1x1", {}).get("fp32", {})
   return {"rate": rate, "nodes": nodes, "alpha_s": alone.get("alpha_s"),
           "bandwidth_Bps": alone.get("bandwidth_Bps"), "fits": fits_of, "rows": rows,
           "failed": failed}
@@ -181,7 +183,7 @@ def within(rows, tolerance: float = 0.15) -> tuple[int, int]:
 
 
 def print_point(point: dict) -> None:
-  fits = "; ".join(f"{layout} {w}: " + ("none" if f is None else
+  fits = "; ".join(f"{layout} {w}: " + ("none" if "alpha_s" not in f else
                    f"alpha {f['alpha_s'] * 1e3:.1f} ms, {f['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s")
                    for layout, by_wire in point["fits"].items() for w, f in by_wire.items())
   good, rows = within(point["rows"])
