@@ -10,10 +10,14 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["TAG", "announce", "departed"]
+__all__ = ["TAG", "WAIT_TAG", "announce", "departed"]
 
 #: The tag of the exit notices on MPI_COMM_WORLD (the native handlers probe for it too).
 TAG = 7302
+#: The tag of the wait notices (the native handlers' ``wait_notices.h``): a wait that lasts
+#: tells the ranks it waits for, so that a step's exchange and a host round that wait for each
+#: other end the job at once.
+WAIT_TAG = 7303
 _lock = threading.Lock()
 _gone: set[int] = set()  # ranks of MPI_COMM_WORLD known to have finished
 _registered = False
@@ -51,6 +55,9 @@ def _send_and_collect() -> None:
   deadline = time.monotonic() + EXIT_WAIT
   while len(_receive()) < world.Get_size() - 1 and time.monotonic() < deadline:
     time.sleep(1e-3)
+  notice = np.empty(128, np.uint8)  # and the wait notices (wait_notices.h), same reason
+  while (message := world.Improbe(source=MPI.ANY_SOURCE, tag=WAIT_TAG)) is not None:
+    message.Recv(notice)
 
 
 #: Seconds a rank that exits waits for the notices of the others (normally milliseconds).

@@ -48,15 +48,31 @@ def test_the_classifier_tells_the_outcomes_apart():
                          " which has not done its part"),
     ("allreduce_peer_stalls", "3", "rank 0 (world rank 0) waited 3 s in an in-step allreduce"
                                    " (tag 0) of 2 ranks that not all of them have reached"),
+    ("wire_peer_finished", "30", "rank 0 (world rank 0) waits in an in-step alltoall (tag 0),"
+                                 " but rank 1 (world rank 1) finished its program"),
+    ("bcast_peer_stalls", "3", "rank 1 (world rank 1) waited 3 s in an in-step bcast (tag 0)"
+                               " of 2 ranks that not all of them have reached"),
+    # Each rank names the two waits (the bound, 300 s, is not reached).
+    ("step_meets_host_round", "300", (
+        "world rank 0 waits in an in-step allreduce (tag 0) of 2 ranks, which needs world rank"
+        " 1, while world rank 1 waits for this rank in bcast_obj's check of the root and its"
+        " object: the two can never meet",
+        "world rank 1 waits in bcast_obj's check of the root and its object, which needs world"
+        " rank 0, while world rank 0 waits for this rank in an in-step allreduce (tag 0) of 2"
+        " ranks: the two can never meet")),
+    ("recv_meets_host_round", "300", (
+        "world rank 0 waits in an in-step recv with world rank 1 (tag 0), which needs world"
+        " rank 1, while world rank 1 waits for this rank in allreduce_obj",
+        "world rank 1 waits in allreduce_obj")),
 ])
 def test_an_in_step_wait_that_cannot_complete_ends_the_job_naming_the_peer(case, limit, says):
-  """The in-step waits poll: a peer that exited ends a recv or an allreduce after a 2 s
-  grace, one that stays silent ends a recv or an allreduce after MNJAX_WAIT_TIMEOUT, with no
-  watchdog
-  (tests/support/instep_waits.py)."""
+  """Every in-step wait polls: a peer that exited ends it after a 2 s grace, one that stays
+  silent after MNJAX_WAIT_TIMEOUT, and one that waits for this rank in a host round after
+  about 10 s (the wait notices), with no watchdog (tests/support/instep_waits.py)."""
   start = time.monotonic()
   result = run_mpi(2, ["tests/support/instep_waits.py", case], timeout=60,
                    env={"MNJAX_WAIT_TIMEOUT": limit})
-  assert result.returncode != 0 and says in result.stdout, result.stdout[-4000:]
+  for line in (says,) if isinstance(says, str) else says:
+    assert result.returncode != 0 and line in result.stdout, result.stdout[-4000:]
   assert "rank 0: returned normally" not in result.stdout
   assert time.monotonic() - start < 30, result.stdout[-4000:]

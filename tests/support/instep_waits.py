@@ -8,7 +8,15 @@ each must end the job naming the ranks, not hang. No watchdog runs: the waits th
 - ``peer_stalls``: rank 1 sends once and then sleeps (alive, not exiting) while rank 0 waits
   in a second recv: ended by the wait bound, ``MNJAX_WAIT_TIMEOUT``;
 - ``allreduce_peer_stalls``: rank 1 reduces once and then sleeps while rank 0 waits in a
-  second allreduce: ended by the same bound.
+  second allreduce: ended by the same bound;
+- ``wire_peer_finished``: the 16-bit wire's exchange (an alltoall, then an allgather), with
+  rank 1 running one step fewer;
+- ``bcast_peer_stalls``: `mnjax.functions.bcast` from rank 0, asleep after one, while rank 1
+  waits in a second: ended by the bound;
+- ``step_meets_host_round``: rank 0 runs a step's gradient allreduce while rank 1 waits in a
+  host round (`bcast_obj`): each waits for the other, and both are named within seconds
+  (the wait notices), not at the bound;
+- ``recv_meets_host_round``: the same with a second in-step recv against `allreduce_obj`.
 """
 
 import sys
@@ -60,9 +68,48 @@ def allreduce_peer_stalls(comm) -> None:
     time.sleep(120)
 
 
+def wire_peer_finished(comm) -> None:
+  step = jax.jit(lambda g: mnjax.comm.allreduce_tree(g, comm, wire_dtype=jnp.bfloat16))
+  for i in range(3 - comm.rank):
+    jax.block_until_ready(step({"w": jnp.full(4, float(i))}))
+    print(f"rank {comm.rank}: step {i} done", flush=True)
+
+
+def bcast_peer_stalls(comm) -> None:
+  step = jax.jit(lambda x: mnjax.functions.bcast(x, comm, 0))
+  for i in range(2 if comm.rank == 1 else 1):
+    jax.block_until_ready(step(jnp.full(4, float(i))))
+    print(f"rank {comm.rank}: step {i} done", flush=True)
+  if comm.rank == 0:
+    time.sleep(120)
+
+
+def step_meets_host_round(comm) -> None:
+  if comm.rank == 0:
+    step = jax.jit(lambda g: mnjax.comm.allreduce_tree(g, comm))
+    jax.block_until_ready(step({"w": jnp.ones(4)}))
+  else:
+    comm.bcast_obj("hello", root=0)
+
+
+
+def recv_meets_host_round(comm) -> None:
+  like = jax.ShapeDtypeStruct((4,), jnp.float32)
+  recv = jax.jit(lambda: mnjax.functions.recv(comm, 1, like))
+  send = jax.jit(lambda x: mnjax.functions.send(x, comm, 0))
+  jax.block_until_ready(recv() if comm.rank == 0 else send(jnp.ones(4)))  # checked and met
+  if comm.rank == 0:
+    jax.block_until_ready(recv())
+  else:
+    comm.allreduce_obj(1)
+
+
 if __name__ == "__main__":
   comm = mnjax.create_communicator("flat")
   cases = {"peer_finished": peer_finished, "allreduce_peer_finished": allreduce_peer_finished,
-           "peer_stalls": peer_stalls, "allreduce_peer_stalls": allreduce_peer_stalls}
+           "peer_stalls": peer_stalls, "allreduce_peer_stalls": allreduce_peer_stalls,
+           "wire_peer_finished": wire_peer_finished, "bcast_peer_stalls": bcast_peer_stalls,
+           "step_meets_host_round": step_meets_host_round,
+           "recv_meets_host_round": recv_meets_host_round}
   cases[sys.argv[1]](comm)
   print(f"rank {comm.rank}: returned normally", flush=True)

@@ -1,4 +1,6 @@
-"""The departure-aware wait of every host round: a peer that finished is named, not waited for."""
+"""The departure-aware wait of every host round: a peer that finished is named, not waited for,
+and one that waits for this rank in a step's exchange is named at once (the two can never
+meet)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mpi4py import MPI
+
 from mnjax.comm import _departures as departures
+from mnjax.comm._instep import _native as native
 
 __all__ = ["DEPARTURE_GRACE", "wait"]
 
@@ -17,7 +22,8 @@ DEPARTURE_GRACE = 2.0
 def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = None,
          timeout: float | None = None, timeout_message: str = "") -> None:
   """Completes `request` (anything with ``Test()``); raises `RuntimeError` naming a rank of
-  `peers` (default: any) that finished its program, and past `timeout`, `TimeoutError`.
+  `peers` (default: any) that finished its program or that waits for this rank in a step's
+  exchange (`native.HostWait`), and past `timeout`, `TimeoutError`.
 
   Example:
     >>> wait(comm, comm.mpi_comm.Ibarrier(), "a barrier")
@@ -28,19 +34,46 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
 
   start = time.monotonic()
   gone_since = None
-  while not request.Test():
-    now = time.monotonic()
-    if timeout is not None and now - start > timeout:
-      raise TimeoutError(timeout_message)
-    if gone_since is None and now - start > 0.05 and departed():
-      gone_since = now
-    if gone_since is not None and now - gone_since > DEPARTURE_GRACE:
-      gone = departed()
-      raise RuntimeError(
-          f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} finished"
-          f" {'their programs' if len(gone) > 1 else 'its program'} (exited normally) while"
-          f" the other ranks wait for every rank in {what}: the job cannot go on. The ranks"
-          " must run the same program (the same steps, the same calls of mnjax's"
-          " collectives and checks); look for a loop, a condition or a model that differs"
-          " between ranks.")
-    time.sleep(1e-3 if now - start < 1.0 else 1e-2)
+  notice = native.HostWait(_world_peers(comm, peers), what)
+  try:
+    while not request.Test():
+      now = time.monotonic()
+      if timeout is not None and now - start > timeout:
+        raise TimeoutError(timeout_message)
+      if gone_since is None and now - start > 0.05 and departed():
+        gone_since = now
+      if gone_since is not None and now - gone_since > DEPARTURE_GRACE:
+        gone = departed()
+        raise RuntimeError(
+            f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} finished"
+            f" {'their programs' if len(gone) > 1 else 'its program'} (exited normally) while"
+            f" the other ranks wait for every rank in {what}: the job cannot go on. The ranks"
+            " must run the same program (the same steps, the same calls of mnjax's"
+            " collectives and checks); look for a loop, a condition or a model that differs"
+            " between ranks.")
+      if (stuck := notice.check(now - start)) is not None:
+        _never_meet(what, *stuck)
+      time.sleep(1e-3 if now - start < 1.0 else 1e-2)
+  finally:
+    notice.end()
+
+
+def _world_peers(comm: Any, peers: Sequence[int] | None) -> list[int]:
+  """The world ranks of `peers` of `comm` (default: every other rank)."""
+  ranks = [r for r in (range(comm.size) if peers is None else peers) if r != comm.rank]
+  return [int(r) for r in MPI.Group.Translate_ranks(comm.mpi_comm.Get_group(), ranks,
+                                                     MPI.COMM_WORLD.Get_group())]
+
+
+def _never_meet(what: str, peer: int, theirs: str) -> None:
+  """Raises the error of a host round and a peer's in-step wait that need each other."""
+  me = MPI.COMM_WORLD.Get_rank()
+  # The peer names the same two waits at about the same time: leave it a moment (on a loaded
+  # machine, seconds; kSayingPause in wait_notices.h) to say so before this error ends the job.
+  time.sleep(3.0)
+  raise RuntimeError(
+      f"world rank {me} waits in {what}, which needs world rank {peer}, while world rank"
+      f" {peer} waits for this rank in {theirs}: the two can never meet (one rank reached a"
+      " step's exchange, the other a host round of mnjax: the ranks run different programs)."
+      " Every rank must call mnjax's steps, collectives and checks in the same order: look"
+      " for a condition on the rank, a loop or a model that differs between ranks.")

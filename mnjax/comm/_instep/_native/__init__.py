@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULT_WAIT_TIMEOUT", "LIBRARY", "SOURCE", "TARGETS", "WAIT_TIMEOUT_ENV",
+__all__ = ["DEFAULT_WAIT_TIMEOUT", "LIBRARY", "NOTICE_AFTER", "SOURCE", "SOURCES", "TARGETS",
+           "WAIT_TIMEOUT_ENV", "HostWait",
            "allreduce_calls", "build", "collective_counts", "configure_waits", "handlers",
            "is_stale", "register", "wait_timeout"]
 
@@ -24,6 +25,8 @@ def _abi_suffix() -> str:
 
 
 SOURCE = Path(__file__).with_name("mpi_collectives.cc")
+#: Every file the library is built from (SOURCE includes the others).
+SOURCES = (SOURCE, Path(__file__).with_name("wait_notices.h"))
 LIBRARY = Path(__file__).with_name(f"_mpi_collectives{_abi_suffix()}.so")
 TARGETS = ("mnjax_mpi_allreduce_start", "mnjax_mpi_allreduce_start_linked",
            "mnjax_mpi_allreduce_start_linked_tagged", "mnjax_mpi_allreduce_done",
@@ -56,7 +59,7 @@ def is_stale() -> bool:
     >>> mnjax.comm._instep._native.is_stale()
     False
   """
-  return not LIBRARY.exists() or LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime
+  return not LIBRARY.exists() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES)
 
 
 def build(force: bool = False) -> Path:
@@ -156,12 +159,13 @@ def wait_timeout() -> float:
 
 
 def configure_waits() -> None:
-  """Hands the handlers their wait bound and exit-notice tag (a lost peer ends the job)."""
+  """Hands the handlers their wait bound, the exit notices' tag (a lost peer ends the job) and
+  the wait notices' tag (two ranks waiting for each other in a step and a host round)."""
   from mnjax.comm import _departures as departures  # noqa: PLC0415 (mpi4py only when used)
 
   fn = _library().mnjax_configure_waits
-  fn.argtypes = [ctypes.c_double, ctypes.c_int64]
-  fn(wait_timeout(), departures.TAG)
+  fn.argtypes = [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
+  fn(wait_timeout(), departures.TAG, departures.WAIT_TAG)
 
 
 @functools.cache
@@ -173,3 +177,61 @@ def register() -> None:
 
   for name, capsule in handlers().items():
     ffi.register_ffi_target(name, capsule, platform="cpu")
+
+
+#: Seconds a wait lasts before it tells the ranks it waits for (``kNoticeAfter`` in
+#: wait_notices.h): shorter waits send nothing.
+NOTICE_AFTER = 5.0
+
+
+@functools.cache
+def _notices() -> ctypes.CDLL | None:
+  """The library with its wait notices on, or None where it cannot be loaded (notices off)."""
+  try:
+    configure_waits()
+  except (OSError, RuntimeError, ValueError):
+    return None
+  lib = _library()
+  lib.mnjax_wait_begin.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int64, ctypes.c_char_p]
+  lib.mnjax_wait_begin.restype = ctypes.c_int64
+  lib.mnjax_wait_check.argtypes = [ctypes.c_int64, ctypes.c_double, ctypes.c_char_p,
+                                   ctypes.c_int64]
+  lib.mnjax_wait_check.restype = ctypes.c_int64
+  lib.mnjax_wait_end.argtypes = [ctypes.c_int64]
+  return lib
+
+
+class HostWait:
+  """A host round's wait as the in-step waits see it (wait_notices.h): once it has lasted
+  `NOTICE_AFTER`, the ranks it waits for are told, and `check` finds a peer that waits for
+  this rank in a step's exchange only (the two can never meet).
+
+  Example:
+    >>> wait = HostWait([], "a barrier")
+    >>> wait.check(0.0) is None
+    True
+    >>> wait.end()
+  """
+
+  def __init__(self, peers: list[int], what: str):
+    self._peers, self._what, self._id = peers, what, 0
+
+  def check(self, waited: float) -> tuple[int, str] | None:
+    """``(world rank, what it waits in)`` of a peer this wait can never meet, else None."""
+    if waited < NOTICE_AFTER or not self._peers:
+      return None
+    lib = _notices()
+    if lib is None:
+      return None
+    if self._id == 0:
+      peers = (ctypes.c_int * len(self._peers))(*self._peers)
+      self._id = lib.mnjax_wait_begin(peers, len(self._peers), self._what.encode()[:100])
+    theirs = ctypes.create_string_buffer(128)
+    peer = lib.mnjax_wait_check(self._id, waited, theirs, len(theirs))
+    return None if peer < 0 else (int(peer), theirs.value.decode(errors="replace"))
+
+  def end(self) -> None:
+    """Tells the peers this wait ended (if they were told it began)."""
+    if self._id:
+      _library().mnjax_wait_end(self._id)
+      self._id = 0

@@ -43,9 +43,11 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -184,6 +186,17 @@ bool Departed(int source) {
   return flag != 0;
 }
 
+bool ThreadMultiple() {
+  static const bool multiple = [] {
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    return level == MPI_THREAD_MULTIPLE;
+  }();
+  return multiple;
+}
+
+#include "wait_notices.h"
+
 // Completes `request` of an in-step exchange with `peer` of `c`, polling: a peer that finished
 // its program (its exit notice arrived) or a wait past `wait_limit_s` ends the whole job with
 // a message that names this rank, what it waits in, the peer, and the fix.
@@ -196,14 +209,30 @@ void AwaitPeer(MPI_Request* request, MPI_Status* status, MPI_Comm c, const char*
   Clock::time_point gone_since{};
   bool gone = false;
   const int world_peer = WorldRank(c, peer);
+  int64_t wait_id = 0;
   for (;;) {
     int done = 0;
     AbortOnError(MPI_Test(request, &done, status), c, what);
-    if (done) return;
+    if (done) {
+      EndWait(wait_id);
+      return;
+    }
     auto now = Clock::now();
     if (now < next_check) continue;
     next_check = now + std::chrono::milliseconds(10);
     double waited = std::chrono::duration<double>(now - start).count();
+    if (waited > kNoticeAfter) {
+      if (wait_id == 0) {
+        char line[96];
+        std::snprintf(line, sizeof(line), "an in-step %s with world rank %d (tag %lld)", what,
+                      world_peer, static_cast<long long>(tag));
+        wait_id = BeginWait(kInStepWait, {world_peer}, line);
+      }
+      std::string ours, theirs;
+      if (CheckWait(wait_id, waited, &ours, &theirs) >= 0) {
+        AbortMismatch(c, ours, world_peer, theirs);
+      }
+    }
     if (!gone && (gone = Departed(world_peer))) gone_since = now;
     // The peer may have done its part of this very exchange just before it left: 2 s grace.
     bool departed = gone && std::chrono::duration<double>(now - gone_since).count() > 2.0;
@@ -275,6 +304,11 @@ struct InFlight {
   std::chrono::steady_clock::time_point next_check = start + std::chrono::milliseconds(100);
   std::chrono::steady_clock::time_point gone_since{};
   int gone = MPI_UNDEFINED;          // a rank of `comm` whose exit notice arrived
+  // Set once XLA waits on the collective (its done ran): from then on a wait notice stands
+  // (wait_notices.h) while it lasts.
+  std::atomic<bool> awaited{false};
+  std::chrono::steady_clock::time_point awaited_at{};
+  int64_t wait_id = 0;
 };
 
 // Ends the job if a rank of the collective finished its program (its exit notice arrived
@@ -297,6 +331,18 @@ void CheckDeparted(InFlight& f, std::chrono::steady_clock::time_point now) {
                  SizeOf(f.comm));
     std::fflush(stderr);
     MPI_Abort(f.comm, 1);
+  }
+  if (f.awaited.load(std::memory_order_acquire)) {
+    if (f.wait_id == 0) {
+      char what[96];
+      std::snprintf(what, sizeof(what), "an in-step %s (tag %lld) of %d ranks", f.what,
+                    static_cast<long long>(f.tag), SizeOf(f.comm));
+      f.wait_id = BeginWait(kInStepWait, WorldPeers(f.comm), what);
+    }
+    std::string ours, theirs;
+    int peer = CheckWait(f.wait_id, std::chrono::duration<double>(now - f.awaited_at).count(),
+                         &ours, &theirs);
+    if (peer >= 0) AbortMismatch(f.comm, ours, peer, theirs);
   }
   if (departure_tag.load(std::memory_order_relaxed) < 0) return;
   if (f.gone == MPI_UNDEFINED && (f.gone = DepartedMember(f.comm)) != MPI_UNDEFINED) {
@@ -407,6 +453,7 @@ class Progress {
         }
         std::shared_ptr<InFlight> finished = std::move(active[i]);
         active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
+        EndWait(finished->wait_id);
         completed_allreduces.fetch_add(1, std::memory_order_relaxed);
         finished->counted.reset();
         Completer::Get().Complete(finished->promise);
@@ -425,15 +472,6 @@ class Progress {
 std::mutex started_mutex;
 std::vector<std::pair<void*, std::shared_ptr<InFlight>>> started;
 
-bool ThreadMultiple() {
-  static const bool multiple = [] {
-    int level = MPI_THREAD_SINGLE;
-    MPI_Query_thread(&level);
-    return level == MPI_THREAD_MULTIPLE;
-  }();
-  return multiple;
-}
-
 // The handler's own wait, where MPI allows no progress thread.
 void Await(InFlight& f) {
   for (;;) {
@@ -447,6 +485,31 @@ void Await(InFlight& f) {
   completed_allreduces.fetch_add(1, std::memory_order_relaxed);
   f.counted.reset();
   f.promise.SetAvailable();
+}
+
+// Completes a non-blocking collective that its handler waits for itself (alltoall, allgather,
+// bcast, gather, scatter, reduce): polled and paced as the allreduce, so that a rank that
+// finished its program or a wait past `wait_limit_s` ends the job with a named error, not a
+// hang inside MPI.
+void AwaitCollective(MPI_Request request, MPI_Comm c, const char* what, int64_t tag) {
+  InFlight f;  // its promise and future stay unused
+  f.request = request;
+  f.comm = c;
+  f.what = what;
+  f.tag = tag;
+  f.awaited_at = f.start;
+  f.awaited.store(true, std::memory_order_release);
+  for (;;) {
+    int done = 0;
+    AbortOnError(MPI_Test(&f.request, &done, MPI_STATUS_IGNORE), c, what);
+    if (done) {
+      EndWait(f.wait_id);
+      return;
+    }
+    auto now = std::chrono::steady_clock::now();
+    CheckDeparted(f, now);
+    Pace(now - f.start);
+  }
 }
 
 ffi::Error CheckCount(int64_t count) {
@@ -536,6 +599,8 @@ ffi::Future AllreduceDone(ffi::AnyBuffer operand, ffi::Result<ffi::AnyBuffer> re
                                " buffer (XLA moved the in-flight buffer between the halves)"));
     return future;
   }
+  f->awaited_at = std::chrono::steady_clock::now();
+  f->awaited.store(true, std::memory_order_release);
   if (!ThreadMultiple()) Await(*f);  // completes the promise here
   return std::move(*f->future);
 }
@@ -549,29 +614,31 @@ ffi::Future AllreduceDoneKeeping(ffi::AnyBuffer operand, ffi::AnyBuffer kept,
   return AllreduceDone(operand, result);
 }
 
-// MPI_Alltoall and MPI_Allgather share one signature: `count` items to (and from) each rank.
+// MPI_Ialltoall and MPI_Iallgather share one signature: `count` items to (and from) each rank.
 using PairwiseCall = int (*)(const void*, int, MPI_Datatype, void*, int, MPI_Datatype,
-                             MPI_Comm);
+                             MPI_Comm, MPI_Request*);
 
 template <PairwiseCall kCall>
-ffi::Error Pairwise(const char* name, int64_t kind, ffi::AnyBuffer operand,
+ffi::Error Pairwise(const char* name, const char* what, int64_t kind, ffi::AnyBuffer operand,
                     ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
                     int64_t dtype, int64_t tag) {
   if (auto e = CheckCount(count); e.failure()) return e;
   MPI_Comm c = FromInt<MPI_Comm>(comm);
   MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
   Counted counted(kind, operand.size_bytes(), comm, tag);
+  MPI_Request request;
   AbortOnError(kCall(operand.untyped_data(), static_cast<int>(count), t, result->untyped_data(),
-                     static_cast<int>(count), t, c),
+                     static_cast<int>(count), t, c, &request),
                c, name);
+  AwaitCollective(request, c, what, tag);
   return ffi::Error::Success();
 }
 
 ffi::Error AlltoallTagged(ffi::AnyBuffer operand, ffi::AnyBuffer after,
                           ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
                           int64_t dtype, int64_t tag) {
-  return Pairwise<MPI_Alltoall>("MPI_Alltoall", kAlltoall, operand, result, count, comm, dtype,
-                                tag);
+  return Pairwise<MPI_Ialltoall>("MPI_Ialltoall", "alltoall", kAlltoall, operand, result, count,
+                                 comm, dtype, tag);
 }
 
 ffi::Error Alltoall(ffi::AnyBuffer operand, ffi::AnyBuffer after,
@@ -583,8 +650,8 @@ ffi::Error Alltoall(ffi::AnyBuffer operand, ffi::AnyBuffer after,
 ffi::Error AllgatherTagged(ffi::AnyBuffer operand, ffi::AnyBuffer after,
                            ffi::Result<ffi::AnyBuffer> result, int64_t count, int64_t comm,
                            int64_t dtype, int64_t tag) {
-  return Pairwise<MPI_Allgather>("MPI_Allgather", kAllgather, operand, result, count, comm,
-                                 dtype, tag);
+  return Pairwise<MPI_Iallgather>("MPI_Iallgather", "allgather", kAllgather, operand, result,
+                                  count, comm, dtype, tag);
 }
 
 ffi::Error Allgather(ffi::AnyBuffer operand, ffi::AnyBuffer after,
@@ -659,9 +726,11 @@ ffi::Error Bcast(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi::
     std::memcpy(result->untyped_data(), operand.untyped_data(), result->size_bytes());
   }
   Counted counted;
-  AbortOnError(MPI_Bcast(result->untyped_data(), static_cast<int>(count),
-                         FromInt<MPI_Datatype>(dtype), static_cast<int>(root), c),
-               c, "MPI_Bcast");
+  MPI_Request request;
+  AbortOnError(MPI_Ibcast(result->untyped_data(), static_cast<int>(count),
+                          FromInt<MPI_Datatype>(dtype), static_cast<int>(root), c, &request),
+               c, "MPI_Ibcast");
+  AwaitCollective(request, c, "bcast", 0);
   return ffi::Error::Success();
 }
 
@@ -673,10 +742,12 @@ ffi::Error Gather(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi:
   bool is_root = RankOf(c) == root;
   if (!is_root) Zero(result);
   Counted counted;
-  AbortOnError(MPI_Gather(operand.untyped_data(), static_cast<int>(count), t,
-                          is_root ? result->untyped_data() : nullptr, static_cast<int>(count), t,
-                          static_cast<int>(root), c),
-               c, "MPI_Gather");
+  MPI_Request request;
+  AbortOnError(MPI_Igather(operand.untyped_data(), static_cast<int>(count), t,
+                           is_root ? result->untyped_data() : nullptr, static_cast<int>(count), t,
+                           static_cast<int>(root), c, &request),
+               c, "MPI_Igather");
+  AwaitCollective(request, c, "gather", 0);
   return ffi::Error::Success();
 }
 
@@ -687,10 +758,12 @@ ffi::Error Scatter(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi
   MPI_Datatype t = FromInt<MPI_Datatype>(dtype);
   bool is_root = RankOf(c) == root;
   Counted counted;
-  AbortOnError(MPI_Scatter(is_root ? operand.untyped_data() : nullptr, static_cast<int>(count), t,
-                           result->untyped_data(), static_cast<int>(count), t,
-                           static_cast<int>(root), c),
-               c, "MPI_Scatter");
+  MPI_Request request;
+  AbortOnError(MPI_Iscatter(is_root ? operand.untyped_data() : nullptr, static_cast<int>(count),
+                            t, result->untyped_data(), static_cast<int>(count), t,
+                            static_cast<int>(root), c, &request),
+               c, "MPI_Iscatter");
+  AwaitCollective(request, c, "scatter", 0);
   return ffi::Error::Success();
 }
 
@@ -701,10 +774,12 @@ ffi::Error Reduce(ffi::AnyBuffer operand, ffi::AnyBuffer after, ffi::Result<ffi:
   bool is_root = RankOf(c) == root;
   if (!is_root) Zero(result);
   Counted counted;
-  AbortOnError(MPI_Reduce(operand.untyped_data(), is_root ? result->untyped_data() : nullptr,
-                          static_cast<int>(count), FromInt<MPI_Datatype>(dtype),
-                          FromInt<MPI_Op>(op), static_cast<int>(root), c),
-               c, "MPI_Reduce");
+  MPI_Request request;
+  AbortOnError(MPI_Ireduce(operand.untyped_data(), is_root ? result->untyped_data() : nullptr,
+                           static_cast<int>(count), FromInt<MPI_Datatype>(dtype),
+                           FromInt<MPI_Op>(op), static_cast<int>(root), c, &request),
+               c, "MPI_Ireduce");
+  AwaitCollective(request, c, "reduce", 0);
   return ffi::Error::Success();
 }
 
@@ -776,10 +851,32 @@ extern "C" int64_t mnjax_timeline_drain(Event* out, int64_t max, uint64_t* curso
 
 extern "C" int64_t mnjax_timeline_now() { return NowNs(); }
 
-extern "C" void mnjax_configure_waits(double limit_s, int64_t tag) {
+extern "C" void mnjax_configure_waits(double limit_s, int64_t tag, int64_t notices) {
   wait_limit_s.store(limit_s, std::memory_order_relaxed);
   departure_tag.store(static_cast<int>(tag), std::memory_order_relaxed);
+  notice_tag.store(static_cast<int>(notices), std::memory_order_relaxed);
 }
+// For Python's host waits (mnjax.comm._host._wait): begin, check and end a wait.
+extern "C" int64_t mnjax_wait_begin(const int* peers, int64_t n, const char* what) {
+  return BeginWait(kHostWait, std::vector<int>(peers, peers + n), what);
+}
+
+extern "C" int64_t mnjax_wait_check(int64_t id, double waited, char* theirs, int64_t size) {
+  std::string ours, found;
+  int peer = CheckWait(id, waited, &ours, &found);
+  if (peer >= 0 && size > 0) std::snprintf(theirs, static_cast<size_t>(size), "%s", found.c_str());
+  return peer;
+}
+
+extern "C" void mnjax_wait_end(int64_t id) { EndWait(id); }
+
+// Takes in the notices left before MPI_Finalize (mnjax.comm._departures at exit).
+extern "C" void mnjax_wait_drain() {
+  if (notice_tag.load(std::memory_order_relaxed) < 0) return;
+  std::lock_guard<std::mutex> lock(notice_mutex);
+  Drain();
+}
+
 
 extern "C" int64_t mnjax_allreduce_calls() { return completed_allreduces.load(); }
 extern "C" int64_t mnjax_collectives_entered() { return entered_collectives.load(); }

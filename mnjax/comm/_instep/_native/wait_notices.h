@@ -1,0 +1,180 @@
+// Wait notices: two ranks that wait for each other in operations that can never meet.
+//
+// A rank blocked in an in-step exchange (XLA waits on it) and a peer blocked in a host round
+// (a Python wait of mnjax.comm) that each need the other can only end at the wait bound
+// (MNJAX_WAIT_TIMEOUT, minutes). Instead, every wait that lasts past kNoticeAfter tells the
+// ranks it waits for: one 128-byte notice on MPI_COMM_WORLD (tag `notice_tag`), and one more
+// when it ends. A rank whose waits are all of one kind, waiting for a peer whose notices (all
+// older than kNoticeGrace) are all of the other kind, knows that neither can go on: it names
+// both waits and ends the job (the peer, seeing the same, names them too). A peer that waits
+// in both kinds (its Python in a host round while XLA waits on its step) may be in the very
+// round this rank waits in: no conclusion.
+//
+// This process's own notices are drained here only (Python reads them through
+// `mnjax_wait_*`), under one mutex; the notices need MPI_THREAD_MULTIPLE (without it, none is
+// sent). Included once, inside mpi_collectives.cc's unnamed namespace (its helpers: RankOf,
+// SizeOf, WorldRank, ThreadMultiple).
+
+constexpr double kNoticeAfter = 5.0;  // seconds a wait lasts before it is told
+constexpr double kNoticeGrace = 5.0;  // seconds a peer's notice stands before it is believed
+constexpr int kSayingPause = 3;       // seconds a rank that names a mismatch waits to end the job
+enum WaitKind : int64_t { kEnded = 0, kInStepWait = 1, kHostWait = 2 };
+
+struct Notice {  // on the wire
+  int64_t world_rank, id, kind;
+  char what[104];  // what the sender waits in, nul-terminated
+};
+static_assert(sizeof(Notice) == 128, "a notice is 128 bytes");
+
+struct Heard {
+  int64_t kind;
+  std::string what;
+  std::chrono::steady_clock::time_point since;
+};
+
+struct Mine {
+  int64_t kind;
+  std::vector<int> peers;  // world ranks this wait needs
+  std::string what;
+  bool told = false;
+};
+
+std::atomic<int> notice_tag{-1};
+std::mutex notice_mutex;
+std::map<int, std::map<int64_t, Heard>> heard;  // the peers' waits now told, by world rank, id
+std::map<int64_t, Mine> mine;                   // this rank's waits in progress, by id
+int64_t next_wait_id = 1;
+std::vector<std::pair<MPI_Request, std::unique_ptr<Notice>>> outgoing;
+
+int MyWorldRank() {
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+bool NoticesOn() { return notice_tag.load(std::memory_order_relaxed) >= 0 && ThreadMultiple(); }
+
+// Sends notice (id, kind) of this rank to `peers` (under notice_mutex). 128 bytes each:
+// complete locally at once (eager); their buffers are freed once MPI is done with them.
+void Tell(const std::vector<int>& peers, int64_t id, int64_t kind, const std::string& what) {
+  for (auto it = outgoing.begin(); it != outgoing.end();) {
+    int done = 0;
+    MPI_Test(&it->first, &done, MPI_STATUS_IGNORE);
+    it = done ? outgoing.erase(it) : it + 1;
+  }
+  for (int peer : peers) {
+    auto notice = std::make_unique<Notice>();
+    notice->world_rank = MyWorldRank();
+    notice->id = id;
+    notice->kind = kind;
+    std::snprintf(notice->what, sizeof(notice->what), "%s", what.c_str());
+    MPI_Request request;
+    MPI_Isend(notice.get(), sizeof(Notice), MPI_BYTE, peer, notice_tag.load(), MPI_COMM_WORLD,
+              &request);
+    outgoing.emplace_back(request, std::move(notice));
+  }
+}
+
+// Takes in every notice that has arrived (under notice_mutex).
+void Drain() {
+  int tag = notice_tag.load(std::memory_order_relaxed);
+  for (;;) {
+    int any = 0;
+    MPI_Status status;
+    MPI_Message message;  // matched: Python's exit drain may take notices from another thread
+    MPI_Improbe(MPI_ANY_SOURCE, tag, MPI_COMM_WORLD, &any, &message, &status);
+    if (!any) return;
+    Notice notice;
+    MPI_Mrecv(&notice, sizeof(Notice), MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    notice.what[sizeof(notice.what) - 1] = '\0';
+    auto& waits = heard[status.MPI_SOURCE];
+    if (notice.kind == kEnded) {
+      waits.erase(notice.id);
+    } else {
+      waits[notice.id] = Heard{notice.kind, notice.what, std::chrono::steady_clock::now()};
+    }
+  }
+}
+
+// Registers a wait of this rank for `peers` (world ranks); 0 when notices are off.
+int64_t BeginWait(int64_t kind, std::vector<int> peers, std::string what) {
+  if (!NoticesOn()) return 0;
+  std::lock_guard<std::mutex> lock(notice_mutex);
+  int64_t id = next_wait_id++;
+  mine[id] = Mine{kind, std::move(peers), std::move(what)};
+  return id;
+}
+
+void EndWait(int64_t id) {
+  if (id == 0) return;
+  std::lock_guard<std::mutex> lock(notice_mutex);
+  auto it = mine.find(id);
+  if (it == mine.end()) return;
+  if (it->second.told) Tell(it->second.peers, id, kEnded, "");
+  mine.erase(it);
+}
+
+// For wait `id`, `waited` seconds long: tells its peers once it is long, and returns the world
+// rank of a peer it waits for that waits for this rank in the other kind only (what the two
+// wait in: `*ours`, `*theirs`), else -1.
+int CheckWait(int64_t id, double waited, std::string* ours, std::string* theirs) {
+  if (id == 0 || waited < kNoticeAfter) return -1;
+  std::lock_guard<std::mutex> lock(notice_mutex);
+  auto it = mine.find(id);
+  if (it == mine.end()) return -1;
+  if (!it->second.told) {
+    it->second.told = true;
+    Tell(it->second.peers, id, it->second.kind, it->second.what);
+  }
+  Drain();
+  int64_t my_kinds = 0;
+  for (const auto& [_, wait] : mine) my_kinds |= wait.kind;
+  auto now = std::chrono::steady_clock::now();
+  for (int peer : it->second.peers) {
+    auto found = heard.find(peer);
+    if (found == heard.end() || found->second.empty()) continue;
+    int64_t their_kinds = 0;
+    bool settled = true;
+    for (const auto& [_, wait] : found->second) {
+      their_kinds |= wait.kind;
+      settled = settled && std::chrono::duration<double>(now - wait.since).count() > kNoticeGrace;
+    }
+    if (settled && (their_kinds & my_kinds) == 0) {
+      *ours = it->second.what;
+      *theirs = found->second.begin()->second.what;
+      return peer;
+    }
+  }
+  return -1;
+}
+
+// The world ranks of `c` other than this rank's.
+std::vector<int> WorldPeers(MPI_Comm c) {
+  std::vector<int> peers;
+  int me = RankOf(c);
+  for (int r = 0, n = SizeOf(c); r < n; ++r) {
+    if (r != me) peers.push_back(WorldRank(c, r));
+  }
+  return peers;
+}
+
+// Ends the job: this in-step wait and the peer's host round can never meet.
+[[noreturn]] void AbortMismatch(MPI_Comm c, const std::string& mine_what, int peer,
+                                const std::string& theirs) {
+  std::fprintf(stderr,
+               "mnjax: world rank %d waits in %s, which needs world rank %d, while world rank %d"
+               " waits for this rank in %s: the two can never meet (one rank reached a step's"
+               " exchange, the other a host round of mnjax: the ranks run different programs)."
+               " Every rank must call mnjax's steps, collectives and checks in the same order:"
+               " look for a condition on the rank, a loop or a model that differs between"
+               " ranks. Aborting the job.\n",
+               MyWorldRank(), mine_what.c_str(), peer, peer, theirs.c_str());
+  std::fflush(stderr);
+  // The peer names the same two waits at about the same time: leave it a moment (on a loaded
+  // machine, seconds) to say so before the job ends.
+  struct timespec pause = {kSayingPause, 0};
+  nanosleep(&pause, nullptr);
+  MPI_Abort(c, 1);
+  std::abort();
+}
+
