@@ -2,8 +2,7 @@
 `-n 4`), each under a hard timeout.
 
 These launches mostly compile (hundreds of small programs, a few steps each): they run with
-LLVM's optimisations off (`support.launch.COMPILE_FAST`), the suite in one process with XLA's
-defaults."""
+LLVM's optimisations off (`support.launch.COMPILE_FAST`), as the suite's own process does."""
 
 import pytest
 from support.distributed_suite import assert_every_rank_passed, pytest_args
