@@ -27,23 +27,17 @@ _REPO = str(Path(__file__).resolve().parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [_REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
-import pytest
-from support.launch import COMPILE_FAST
-from support.shm import remove_orphaned_segments
-
-# This process compiles thousands of small programs and runs each a few times: LLVM's
-# optimisations off for it (the fast subset: 141 -> 117 core-s, 82 -> 65 s), while the jobs
-# it launches inherit XLA's defaults (`support.launch.COMPILE_FAST` where they mostly
-# compile): XLA reads XLA_FLAGS once, when the backend starts, and the variable is put back.
-_INHERITED_XLA_FLAGS = os.environ["XLA_FLAGS"]
-if COMPILE_FAST not in _INHERITED_XLA_FLAGS:
-  os.environ["XLA_FLAGS"] = f"{_INHERITED_XLA_FLAGS} {COMPILE_FAST}"
 import jax
+import pytest
+from support.shm import remove_orphaned_segments
 
 import mnjax
 
-jax.devices()  # the backend starts with this process's flags
-os.environ["XLA_FLAGS"] = _INHERITED_XLA_FLAGS
+# This process compiles thousands of small programs and runs each a few times: LLVM's
+# optimisations off for its compiles only (JAX's option, not inherited by the jobs it
+# launches, which keep XLA's defaults or take `support.launch.COMPILE_FAST`): the fast subset
+# 141 -> 117 core-s, 82 -> 65 s. tests/aot turns it back off (its schedules are the point).
+jax.config.update("jax_disable_most_optimizations", True)
 
 # Every process a test starts keeps all its compiled programs in that cache, not only those
 # that took over a second (jax's default): the job tests launch the same experiment many

@@ -15,20 +15,21 @@ from mnjax.checkpoint import _per_rank as per_rank
 from mnjax.checkpoint import _sharded as sharded
 from mnjax.checkpoint import _verify as verify
 from mnjax.checkpoint._errors import (
-    CheckpointSaveError,
-    CheckpointTemplateError,
-    CorruptCheckpointError,
+  CheckpointSaveError,
+  CheckpointTemplateError,
+  CorruptCheckpointError,
 )
 from mnjax.checkpoint._store import OrbaxStore
 from mnjax.checkpoint._template import (
-    like,
-    signature,
-    structure,
-    target,
-    template_difference,
-    to_host,
+  like,
+  signature,
+  structure,
+  target,
+  template_difference,
+  to_host,
 )
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._host import _objects as objects
 from mnjax.comm._host._broadcast import broadcast
 
 __all__ = ["CheckpointSaveError", "CheckpointTemplateError", "Checkpointer",
@@ -72,8 +73,7 @@ class Checkpointer:
         self._store = OrbaxStore(self.directory, keep=keep, async_save=async_save)
       except OSError as error:  # a file in the way, a read-only or missing parent
         problem = f"{type(error).__name__}: {error}"
-    if comm.size > 1:
-      problem = comm.mpi_comm.bcast(problem, root=0)
+    problem = objects.bcast_obj(problem, comm, 0, operation="Checkpointer's directory check")
     if problem is not None:
       raise OSError(
           f"Checkpointer: rank 0 cannot use {self.directory} as the checkpoint directory"
@@ -94,7 +94,7 @@ class Checkpointer:
     """
     step = int(step)
     state = own.own_inner_states(self.comm, state)  # local_sgd's inner states: every rank's
-    steps = self.comm.mpi_comm.allgather(step) if self.comm.size > 1 else [step]
+    steps = objects.allgather_obj(step, self.comm, operation="Checkpointer.save")
     if len(set(steps)) > 1:
       raise ValueError(
           f"Checkpointer.save: the ranks are saving different steps {steps}; every rank"
@@ -139,7 +139,8 @@ class Checkpointer:
       problem = (f"Checkpointer: {problem} (in {self.directory}, by rank 0). The checkpoints"
                  f" on disk are steps {on_disk}. Free space or fix the error, then rerun with"
                  " --resume (`resume`) to continue from the newest intact one.")
-    problem = self.comm.mpi_comm.bcast(problem, root=0) if self.comm.size > 1 else problem
+    problem = objects.bcast_obj(problem, self.comm, 0,
+                                operation="Checkpointer's report of rank 0's write")
     if problem is not None:
       raise CheckpointSaveError(problem)
 
@@ -175,7 +176,7 @@ class Checkpointer:
   def steps(self) -> list[int]:
     """The complete checkpoints rank 0 sees, oldest first (collective)."""
     steps = self._store.steps() if self._store is not None else None
-    return self.comm.mpi_comm.bcast(steps, root=0) if self.comm.size > 1 else steps
+    return objects.bcast_obj(steps, self.comm, 0, operation="Checkpointer.steps")
 
   def restore(self, template: Any) -> tuple[int, Any, dict] | None:
     """The newest intact checkpoint as ``(step, state, meta)`` on every rank; None if none.
@@ -206,7 +207,7 @@ class Checkpointer:
     state = None
     if self._store is not None:
       outcome, state = self._store.newest(template)
-    outcome = self.comm.mpi_comm.bcast(outcome, root=0) if self.comm.size > 1 else outcome
+    outcome = objects.bcast_obj(outcome, self.comm, 0, operation="Checkpointer.restore")
     if isinstance(outcome, str):
       raise CorruptCheckpointError(outcome)
     if outcome is None:
@@ -249,7 +250,8 @@ class Checkpointer:
       mine = template_difference(record, template)
     except Exception as error:  # noqa: BLE001 (every rank must reach the allgather)
       mine = f"{type(error).__name__}: {error}"
-    every = self.comm.mpi_comm.allgather(mine) if self.comm.size > 1 else [mine]
+    every = objects.allgather_obj(mine, self.comm,
+                                  operation="Checkpointer.restore's template check")
     wrong = [rank for rank, difference in enumerate(every) if difference]
     if wrong:
       raise CheckpointTemplateError(

@@ -12,6 +12,7 @@ import numpy as np
 from mnjax.checkpoint._rank_nodes import check_on_every_rank, find
 from mnjax.checkpoint._template import is_key
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._host import _objects as objects
 from mnjax.comm._host import _transport as transport
 from mnjax.optim._local_sgd import LocalSGDState
 from mnjax.optim._shard_state import ShardedState
@@ -151,7 +152,7 @@ def whole_template(comm: Communicator, template: Any) -> Any:
   mine = [_describe(x.inner) for _, x in flat if _is_own(x)]
   if not mine:
     return template
-  everyone = comm.mpi_comm.allgather(mine) if comm.size > 1 else [mine]
+  everyone = objects.allgather_obj(mine, comm, operation="the per-rank states' template")
   out, node = [], 0
   for _, x in flat:
     if _is_own(x):

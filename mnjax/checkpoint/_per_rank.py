@@ -12,6 +12,7 @@ import numpy as np
 from mnjax.checkpoint._own_state import PerRankState
 from mnjax.checkpoint._template import is_key
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._host import _objects as objects
 from mnjax.comm._host._digest import compare_digests
 from mnjax.comm._host._signature import leaf_paths
 from mnjax.guard._consensus import fingerprints
@@ -106,8 +107,8 @@ def differences(comm: Communicator, state: Any, meta: Any) -> str:
   """
   mine = fingerprints(_comparable(state))
   meta_text = json.dumps(meta, sort_keys=True, default=repr)
-  everyone = (comm.mpi_comm.allgather((mine, meta_text, repr(meta))) if comm.size > 1
-              else [(mine, meta_text, repr(meta))])
+  everyone = objects.allgather_obj((mine, meta_text, repr(meta)), comm,
+                                   operation="Checkpointer.save's check of every replica")
   reference = everyone[0][0]
   differing: dict[str, list[str]] = {}
   for rank, (theirs, _, _) in enumerate(everyone):

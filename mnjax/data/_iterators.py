@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._host import _objects as objects
 from mnjax.comm._host._broadcast import broadcast
 from mnjax.data._agreement import check_same_plan
 from mnjax.data._sharding import _is_int, _order_values, _slices
@@ -44,8 +45,7 @@ def create_multi_node_iterator(batches: Iterable[Any] | None, comm: Communicator
     except TypeError:
       problem = (f"{caller}: the batches of rank {master} (rank_master) must be an iterable"
                  f" of batches, got {type(batches).__name__}.")
-  if comm.size > 1:
-    problem = comm.mpi_comm.bcast(problem, root=master)
+  problem = objects.bcast_obj(problem, comm, master, operation=caller)
   if problem is not None:
     raise TypeError(problem)
   return _follow(iterator, comm, master)
@@ -57,8 +57,8 @@ def _follow(iterator: Iterator[Any] | None, comm: Communicator, master: int) -> 
     header, batch, error = None, None, None
     if comm.rank == master:
       header, batch, error = _next(iterator, master)
-    if comm.size > 1:
-      header = comm.mpi_comm.bcast(header, root=master)
+    header = objects.bcast_obj(header, comm, master,
+                               operation="create_multi_node_iterator's next batch")
     if header[0] == "stop":
       return
     if header[0] == "error":
@@ -122,8 +122,7 @@ def create_synchronized_iterator(
                      f" same on every rank), got {batch_size!r}.")
   if shuffle and seed is None:
     seed = int(np.random.SeedSequence().entropy % 2**32) if comm.rank == 0 else None
-    if comm.size > 1:
-      seed = comm.mpi_comm.bcast(seed, root=0)
+    seed = objects.bcast_obj(seed, comm, 0, operation=f"{caller}'s seed")
   indices, mask = _slices(n, int(batch_size), 0, 1, shuffle=shuffle, seed=seed, epoch=epoch,
                           drop_remainder=drop_remainder, caller=caller)
   return zip(indices, mask)

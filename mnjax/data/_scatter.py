@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py.util import pkl5
 
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._host import _objects as objects
 from mnjax.data._agreement import check_same_plan
 from mnjax.data._sharding import (
     SubDataset,
@@ -123,8 +124,7 @@ def _from_root(dataset: Any, comm: Communicator, root: Any, *, shuffle: bool, se
       header = ("ok", *dataset_length(dataset, caller))
     except (TypeError, ValueError) as e:
       header = ("error", type(e).__name__, str(e))
-  if comm.size > 1:
-    header = comm.mpi_comm.bcast(header, root=root)
+  header = objects.bcast_obj(header, comm, root, operation=caller)
   if header[0] == "error":
     kind = TypeError if header[1] == "TypeError" else ValueError
     raise kind(f"{header[2]} (the dataset of rank {root}, the root, which alone holds the"

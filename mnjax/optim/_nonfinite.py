@@ -7,8 +7,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from mpi4py import MPI
 
+from mnjax.comm._host import _objects as objects
 from mnjax.optim._shard_state import ShardedState
 
 __all__ = ["SkipNonFiniteState", "all_finite", "raise_if_diverging", "skip_nonfinite"]
@@ -124,8 +124,8 @@ def raise_if_diverging(opt_state: Any, max_consecutive_skips: int, comm: Any = N
     raise ValueError("raise_if_diverging: opt_state holds no skip_nonfinite state; wrap the"
                      " optimizer in mnjax.skip_nonfinite(...).")
   streak = max(int(s.consecutive) for s in found)
-  if comm is not None and comm.size > 1:
-    streak = comm.mpi_comm.allreduce(streak, op=MPI.MAX)
+  if comm is not None:
+    streak = max(objects.allgather_obj(streak, comm, operation="raise_if_diverging"))
   if streak > max_consecutive_skips:
     raise FloatingPointError(
         f"mnjax: {streak} consecutive steps had non-finite (NaN or Inf) gradients on some"

@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py.util import pkl5
 
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._host import _objects as objects
 from mnjax.comm._host._agreement import check_same_tree
 
 __all__ = ["generic_multi_node_evaluator"]
@@ -71,7 +72,7 @@ def generic_multi_node_evaluator(
         results.append(jax.device_get(result))
     except Exception as e:  # noqa: BLE001  (every rank raises it, below)
       problem = f"{type(e).__name__}: {e}"
-    problems = comm.mpi_comm.allgather(problem) if comm.size > 1 else [problem]
+    problems = objects.allgather_obj(problem, comm, operation=caller)
     failed = [(r, p) for r, p in enumerate(problems) if p is not None]
     if failed:
       listed = "; ".join(f"rank {r}: {p}" for r, p in failed)

@@ -13,6 +13,7 @@ else:
   import jax
 
   jax.config.update("jax_platforms", "cpu")  # the CUDA backend cannot start without a GPU
+  jax.config.update("jax_disable_most_optimizations", False)  # tests/conftest.py turns it on
   # A deviceless executable cannot be read back from the persistent cache (tests/conftest.py
   # sets one up): JAX would warn on every compile.
   jax.config.update("jax_enable_compilation_cache", False)

@@ -6,6 +6,8 @@ another, and every rank raises the same `ValueError` naming both, instead of unp
 other ranks' records in a format they do not have.
 """
 
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,14 @@ def _step_check(comm):
   mnjax.data_parallel(step, comm, batch_argnums=(0,))(jnp.ones(4))
 
 
+def _checkpointer(comm):
+  mnjax.Checkpointer(tempfile.mkdtemp(prefix="mnjax-rounds-"), comm)
+
+
+def _check_replicas(comm):
+  mnjax.check_replicas({"w": np.zeros(3, np.float32)}, comm)
+
+
 OPERATIONS = {
     "broadcast": (_broadcast, "broadcast"),
     "bcast": (_bcast, "bcast"),
@@ -56,10 +66,13 @@ OPERATIONS = {
     "gather_obj": (_allgather_obj_like, "gather_obj"),
     "allreduce pre-flight": (_allreduce_preflight, "allreduce_gradients's pre-flight check"),
     "step check": (_step_check, "the step's check of its in-step collectives"),
+    "checkpointer": (_checkpointer, "Checkpointer's directory check"),
+    "check_replicas": (_check_replicas, "check_replicas"),
 }
 PAIRS = [("broadcast", "bcast_obj"), ("bcast", "bcast_obj"), ("step check", "broadcast"),
          ("allreduce pre-flight", "bcast_obj"), ("broadcast", "allreduce pre-flight"),
-         ("step check", "bcast_obj"), ("gather_obj", "bcast")]
+         ("step check", "bcast_obj"), ("gather_obj", "bcast"), ("checkpointer", "bcast_obj"),
+         ("check_replicas", "step check"), ("broadcast", "checkpointer")]
 
 
 @pytest.mark.parametrize(("mine", "last"), PAIRS, ids=[f"{a}-vs-{b}" for a, b in PAIRS])

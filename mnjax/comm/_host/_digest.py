@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from mnjax.comm._communicator import Communicator
+from mnjax.comm._host import _objects as objects
 from mnjax.comm._host._signature import leaf_paths
 
 __all__ = ["compare_across_ranks", "compare_digests", "leaf_digest", "tree_digests"]
@@ -64,16 +65,17 @@ def compare_digests(reference: Mapping[str, Sequence[str]],
   return out
 
 
-def compare_across_ranks(mine: Mapping[str, Sequence[str]],
-                         comm: Communicator) -> tuple[dict[str, list[str]], int]:
-  """Every rank's digests compared with rank 0's (collective; the same result everywhere):
+def compare_across_ranks(mine: Mapping[str, Sequence[str]], comm: Communicator, *,
+                         operation: str = "check_replicas") -> tuple[dict[str, list[str]], int]:
+  """Every rank's digests compared with rank 0's (collective, one host round named
+  `operation`; the same result everywhere):
   ``({leaf path: ["rank 2", "rank 0 device [1]", ...]}, rank 0's leaf count)``, {} if all agree.
 
   Example:
     >>> compare_across_ranks(tree_digests({"w": np.zeros(2), "b": np.ones(2)}), comm)
     ({}, 2)
   """
-  everyone = comm.mpi_comm.allgather(dict(mine)) if comm.size > 1 else [dict(mine)]
+  everyone = objects.allgather_obj(dict(mine), comm, operation=operation)
   reference = everyone[0]
   differing: dict[str, list[str]] = {}
   for rank, theirs in enumerate(everyone):

@@ -12,7 +12,7 @@ from mpi4py import MPI
 from mnjax.comm._host import _transport as transport
 from mnjax.comm._host._agreement import check_call, describe_root, everyone, ranks_text
 
-__all__ = ["allreduce_obj", "bcast_obj", "gather_obj", "recv_obj", "send_obj"]
+__all__ = ["allgather_obj", "allreduce_obj", "bcast_obj", "gather_obj", "recv_obj", "send_obj"]
 
 
 def _pickled(obj: Any) -> tuple[np.ndarray | None, tuple]:
@@ -65,8 +65,12 @@ def recv_obj(comm: Any, source: int, tag: int | None = None) -> Any:
   return pickle.loads(payload.tobytes())
 
 
-def bcast_obj(obj: Any, comm: Any, root: int = 0) -> Any:
+def bcast_obj(obj: Any, comm: Any, root: int = 0, *, operation: str = "bcast_obj") -> Any:
   """`root`'s picklable `obj` on every rank (the others pass None), any size. Collective.
+
+  `operation` names the round in errors (mnjax's own rounds pass theirs: a rank elsewhere is
+  told which round the others are in), and every rank waits in it as in every host round
+  (bounded, a departed peer named).
 
   Example:
     >>> config = {"lr": 0.1} if comm.rank == 0 else None
@@ -75,12 +79,12 @@ def bcast_obj(obj: Any, comm: Any, root: int = 0) -> Any:
   """
   is_root = describe_root(root) == ("int", comm.rank)
   payload, body = _pickled(obj) if is_root else (None, ("ignored",))
-  described = everyone(comm, "bcast_obj",
-                       ("bcast_obj", describe_root(root), transport.MAX_MESSAGE_BYTES, body),
-                       "bcast_obj's check of the root and its object")
-  root = check_call(described, "bcast_obj", comm.size)
+  described = everyone(comm, operation,
+                       (operation, describe_root(root), transport.MAX_MESSAGE_BYTES, body),
+                       f"{operation}'s check of the root and its object")
+  root = check_call(described, operation, comm.size)
   bodies = [d[3] for d in described]
-  _check_pickled(bodies, [root], "bcast_obj")
+  _check_pickled(bodies, [root], operation)
   if comm.size == 1:
     return obj
   buf = payload if comm.rank == root else np.empty(bodies[root][1], np.uint8)  # root: read only
@@ -105,6 +109,17 @@ def _allgathered(obj: Any, comm: Any, caller: str, root: int | None) -> list | N
                                  sizes if receives else [0] * comm.size, comm, max(sizes),
                                  transport.MAX_MESSAGE_BYTES, root or 0)
   return [pickle.loads(g.tobytes()) for g in got] if receives else None
+
+
+def allgather_obj(obj: Any, comm: Any, *, operation: str = "allgather_obj") -> list:
+  """Every rank's picklable `obj`, in a list by rank, on every rank; `operation` as in
+  `bcast_obj`.
+
+  Example:
+    >>> allgather_obj(comm.rank, comm, operation="my round") == list(range(comm.size))
+    True
+  """
+  return _allgathered(obj, comm, operation, None)
 
 
 def gather_obj(obj: Any, comm: Any, root: int = 0) -> list | None:

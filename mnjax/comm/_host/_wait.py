@@ -34,7 +34,7 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
 
   start = time.monotonic()
   gone_since = None
-  notice = native.HostWait(_world_peers(comm, peers), what)
+  notice = native.HostWait(lambda: _world_peers(comm, peers), what)
   try:
     while not request.Test():
       now = time.monotonic()
@@ -59,8 +59,11 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
 
 
 def _world_peers(comm: Any, peers: Sequence[int] | None) -> list[int]:
-  """The world ranks of `peers` of `comm` (default: every other rank)."""
-  ranks = [r for r in (range(comm.size) if peers is None else peers) if r != comm.rank]
+  """The world ranks of `peers` of `comm` (default: every other rank) that its MPI
+  communicator holds (a communicator emulated for compiling, `lab.aot`, holds fewer)."""
+  size = comm.mpi_comm.Get_size()
+  ranks = [r for r in (range(comm.size) if peers is None else peers)
+           if r != comm.rank and r < size]
   return [int(r) for r in MPI.Group.Translate_ranks(comm.mpi_comm.Get_group(), ranks,
                                                      MPI.COMM_WORLD.Get_group())]
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["DEFAULT_WAIT_TIMEOUT", "LIBRARY", "NOTICE_AFTER", "SOURCE", "SOURCES", "TARGETS",
@@ -26,7 +27,7 @@ def _abi_suffix() -> str:
 
 SOURCE = Path(__file__).with_name("mpi_collectives.cc")
 #: Every file the library is built from (SOURCE includes the others).
-SOURCES = (SOURCE, Path(__file__).with_name("wait_notices.h"))
+SOURCES = (SOURCE, *(Path(__file__).with_name(h) for h in ("mpi_ranks.h", "wait_notices.h")))
 LIBRARY = Path(__file__).with_name(f"_mpi_collectives{_abi_suffix()}.so")
 TARGETS = ("mnjax_mpi_allreduce_start", "mnjax_mpi_allreduce_start_linked",
            "mnjax_mpi_allreduce_start_linked_tagged", "mnjax_mpi_allreduce_done",
@@ -206,24 +207,30 @@ class HostWait:
   `NOTICE_AFTER`, the ranks it waits for are told, and `check` finds a peer that waits for
   this rank in a step's exchange only (the two can never meet).
 
+  `peers` gives the world ranks it waits for, asked once the wait is long.
+
   Example:
-    >>> wait = HostWait([], "a barrier")
+    >>> wait = HostWait(lambda: [], "a barrier")
     >>> wait.check(0.0) is None
     True
     >>> wait.end()
   """
 
-  def __init__(self, peers: list[int], what: str):
+  def __init__(self, peers: Callable[[], list[int]], what: str):
     self._peers, self._what, self._id = peers, what, 0
 
   def check(self, waited: float) -> tuple[int, str] | None:
     """``(world rank, what it waits in)`` of a peer this wait can never meet, else None."""
-    if waited < NOTICE_AFTER or not self._peers:
+    if waited < NOTICE_AFTER:
       return None
     lib = _notices()
     if lib is None:
       return None
     if self._id == 0:
+      if callable(self._peers):
+        self._peers = self._peers()
+      if not self._peers:
+        return None
       peers = (ctypes.c_int * len(self._peers))(*self._peers)
       self._id = lib.mnjax_wait_begin(peers, len(self._peers), self._what.encode()[:100])
     theirs = ctypes.create_string_buffer(128)

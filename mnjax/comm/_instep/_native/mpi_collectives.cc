@@ -54,9 +54,12 @@
 #include <sched.h>
 #include <time.h>
 
+#include "mpi_ranks.h"
+#include "wait_notices.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using namespace mnjax;  // NOLINT: the helpers of mpi_ranks.h and wait_notices.h
 
 namespace {
 
@@ -153,30 +156,6 @@ void AbortOnError(int ierr, MPI_Comm comm, const char* what) {
 std::atomic<double> wait_limit_s{300.0};
 std::atomic<int> departure_tag{-1};
 
-int SizeOf(MPI_Comm c) {
-  int size = 0;
-  MPI_Comm_size(c, &size);
-  return size;
-}
-
-int RankOf(MPI_Comm c) {
-  int rank = -1;
-  MPI_Comm_rank(c, &rank);
-  return rank;
-}
-
-// The world rank of `rank` of `c`.
-int WorldRank(MPI_Comm c, int rank) {
-  MPI_Group group, world;
-  MPI_Comm_group(c, &group);
-  MPI_Comm_group(MPI_COMM_WORLD, &world);
-  int out = MPI_UNDEFINED;
-  MPI_Group_translate_ranks(group, 1, &rank, world, &out);
-  MPI_Group_free(&group);
-  MPI_Group_free(&world);
-  return out;
-}
-
 // Whether world rank `source`'s exit notice has arrived (left in the queue for Python).
 bool Departed(int source) {
   int tag = departure_tag.load(std::memory_order_relaxed);
@@ -185,17 +164,6 @@ bool Departed(int source) {
   MPI_Iprobe(source, tag, MPI_COMM_WORLD, &flag, MPI_STATUS_IGNORE);
   return flag != 0;
 }
-
-bool ThreadMultiple() {
-  static const bool multiple = [] {
-    int level = MPI_THREAD_SINGLE;
-    MPI_Query_thread(&level);
-    return level == MPI_THREAD_MULTIPLE;
-  }();
-  return multiple;
-}
-
-#include "wait_notices.h"
 
 // Completes `request` of an in-step exchange with `peer` of `c`, polling: a peer that finished
 // its program (its exit notice arrived) or a wait past `wait_limit_s` ends the whole job with

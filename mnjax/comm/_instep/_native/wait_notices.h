@@ -11,9 +11,29 @@
 // round this rank waits in: no conclusion.
 //
 // This process's own notices are drained here only (Python reads them through
-// `mnjax_wait_*`), under one mutex; the notices need MPI_THREAD_MULTIPLE (without it, none is
-// sent). Included once, inside mpi_collectives.cc's unnamed namespace (its helpers: RankOf,
-// SizeOf, WorldRank, ThreadMultiple).
+// `mnjax_wait_*` in mpi_collectives.cc), under one mutex; the notices need MPI_THREAD_MULTIPLE
+// (without it, none is sent).
+
+#pragma once
+
+#include <mpi.h>
+#include <time.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mpi_ranks.h"
+
+namespace mnjax {
 
 constexpr double kNoticeAfter = 5.0;  // seconds a wait lasts before it is told
 constexpr double kNoticeGrace = 5.0;  // seconds a peer's notice stands before it is believed
@@ -39,24 +59,24 @@ struct Mine {
   bool told = false;
 };
 
-std::atomic<int> notice_tag{-1};
-std::mutex notice_mutex;
-std::map<int, std::map<int64_t, Heard>> heard;  // the peers' waits now told, by world rank, id
-std::map<int64_t, Mine> mine;                   // this rank's waits in progress, by id
-int64_t next_wait_id = 1;
-std::vector<std::pair<MPI_Request, std::unique_ptr<Notice>>> outgoing;
+inline std::atomic<int> notice_tag{-1};
+inline std::mutex notice_mutex;
+inline std::map<int, std::map<int64_t, Heard>> heard;  // the peers' waits now told, by world rank, id
+inline std::map<int64_t, Mine> mine;                   // this rank's waits in progress, by id
+inline int64_t next_wait_id = 1;
+inline std::vector<std::pair<MPI_Request, std::unique_ptr<Notice>>> outgoing;
 
-int MyWorldRank() {
+inline int MyWorldRank() {
   int rank = -1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   return rank;
 }
 
-bool NoticesOn() { return notice_tag.load(std::memory_order_relaxed) >= 0 && ThreadMultiple(); }
+inline bool NoticesOn() { return notice_tag.load(std::memory_order_relaxed) >= 0 && ThreadMultiple(); }
 
 // Sends notice (id, kind) of this rank to `peers` (under notice_mutex). 128 bytes each:
 // complete locally at once (eager); their buffers are freed once MPI is done with them.
-void Tell(const std::vector<int>& peers, int64_t id, int64_t kind, const std::string& what) {
+inline void Tell(const std::vector<int>& peers, int64_t id, int64_t kind, const std::string& what) {
   for (auto it = outgoing.begin(); it != outgoing.end();) {
     int done = 0;
     MPI_Test(&it->first, &done, MPI_STATUS_IGNORE);
@@ -76,7 +96,7 @@ void Tell(const std::vector<int>& peers, int64_t id, int64_t kind, const std::st
 }
 
 // Takes in every notice that has arrived (under notice_mutex).
-void Drain() {
+inline void Drain() {
   int tag = notice_tag.load(std::memory_order_relaxed);
   for (;;) {
     int any = 0;
@@ -97,7 +117,7 @@ void Drain() {
 }
 
 // Registers a wait of this rank for `peers` (world ranks); 0 when notices are off.
-int64_t BeginWait(int64_t kind, std::vector<int> peers, std::string what) {
+inline int64_t BeginWait(int64_t kind, std::vector<int> peers, std::string what) {
   if (!NoticesOn()) return 0;
   std::lock_guard<std::mutex> lock(notice_mutex);
   int64_t id = next_wait_id++;
@@ -105,7 +125,7 @@ int64_t BeginWait(int64_t kind, std::vector<int> peers, std::string what) {
   return id;
 }
 
-void EndWait(int64_t id) {
+inline void EndWait(int64_t id) {
   if (id == 0) return;
   std::lock_guard<std::mutex> lock(notice_mutex);
   auto it = mine.find(id);
@@ -117,7 +137,7 @@ void EndWait(int64_t id) {
 // For wait `id`, `waited` seconds long: tells its peers once it is long, and returns the world
 // rank of a peer it waits for that waits for this rank in the other kind only (what the two
 // wait in: `*ours`, `*theirs`), else -1.
-int CheckWait(int64_t id, double waited, std::string* ours, std::string* theirs) {
+inline int CheckWait(int64_t id, double waited, std::string* ours, std::string* theirs) {
   if (id == 0 || waited < kNoticeAfter) return -1;
   std::lock_guard<std::mutex> lock(notice_mutex);
   auto it = mine.find(id);
@@ -149,7 +169,7 @@ int CheckWait(int64_t id, double waited, std::string* ours, std::string* theirs)
 }
 
 // The world ranks of `c` other than this rank's.
-std::vector<int> WorldPeers(MPI_Comm c) {
+inline std::vector<int> WorldPeers(MPI_Comm c) {
   std::vector<int> peers;
   int me = RankOf(c);
   for (int r = 0, n = SizeOf(c); r < n; ++r) {
@@ -159,7 +179,7 @@ std::vector<int> WorldPeers(MPI_Comm c) {
 }
 
 // Ends the job: this in-step wait and the peer's host round can never meet.
-[[noreturn]] void AbortMismatch(MPI_Comm c, const std::string& mine_what, int peer,
+[[noreturn]] inline void AbortMismatch(MPI_Comm c, const std::string& mine_what, int peer,
                                 const std::string& theirs) {
   std::fprintf(stderr,
                "mnjax: world rank %d waits in %s, which needs world rank %d, while world rank %d"
@@ -178,3 +198,4 @@ std::vector<int> WorldPeers(MPI_Comm c) {
   std::abort();
 }
 
+}  // namespace mnjax
