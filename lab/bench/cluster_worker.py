@@ -72,6 +72,7 @@ def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False,
   jax.block_until_ready(params)
   world.Barrier()
   before = _counters()
+  world.Barrier()  # no rank sends the next step's bytes before every node has read its counters
   start = time.perf_counter()
   for i in range(1, steps + 1):
     params, opt_state = run(params, opt_state, batch(i))

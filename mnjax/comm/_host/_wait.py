@@ -4,6 +4,7 @@ meet)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -71,12 +72,15 @@ def _world_peers(comm: Any, peers: Sequence[int] | None) -> list[int]:
 def _never_meet(what: str, peer: int, theirs: str) -> None:
   """Raises the error of a host round and a peer's in-step wait that need each other."""
   me = MPI.COMM_WORLD.Get_rank()
-  # The peer names the same two waits at about the same time: leave it a moment (on a loaded
-  # machine, seconds; kSayingPause in wait_notices.h) to say so before this error ends the job.
-  time.sleep(3.0)
-  raise RuntimeError(
+  message = (
       f"world rank {me} waits in {what}, which needs world rank {peer}, while world rank"
       f" {peer} waits for this rank in {theirs}: the two can never meet (one rank reached a"
       " step's exchange, the other a host round of mnjax: the ranks run different programs)."
       " Every rank must call mnjax's steps, collectives and checks in the same order: look"
       " for a condition on the rank, a loop or a model that differs between ranks.")
+  # Said now, as the peer (which names the same two waits at about the same time) does; then
+  # a moment (on a loaded machine, seconds: kSayingPause in wait_notices.h) for the peer to
+  # say it too before this error ends the job.
+  print(f"mnjax: {message}", file=sys.stderr, flush=True)
+  time.sleep(3.0)
+  raise RuntimeError(message)
