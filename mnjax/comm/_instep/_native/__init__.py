@@ -227,12 +227,9 @@ class HostWait:
     if lib is None:
       return None
     if self._id == 0:
-      if callable(self._peers):
-        self._peers = self._peers()
-      if not self._peers:
-        return None
-      peers = (ctypes.c_int * len(self._peers))(*self._peers)
-      self._id = lib.mnjax_wait_begin(peers, len(self._peers), self._what.encode()[:100])
+      peers = self._peers()
+      self._id = lib.mnjax_wait_begin((ctypes.c_int * len(peers))(*peers), len(peers),
+                                      self._what.encode()[:100])
     theirs = ctypes.create_string_buffer(128)
     peer = lib.mnjax_wait_check(self._id, waited, theirs, len(theirs))
     return None if peer < 0 else (int(peer), theirs.value.decode(errors="replace"))

@@ -43,7 +43,6 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -189,18 +188,15 @@ void AwaitPeer(MPI_Request* request, MPI_Status* status, MPI_Comm c, const char*
     if (now < next_check) continue;
     next_check = now + std::chrono::milliseconds(10);
     double waited = std::chrono::duration<double>(now - start).count();
-    if (waited > kNoticeAfter) {
-      if (wait_id == 0) {
-        char line[96];
-        std::snprintf(line, sizeof(line), "an in-step %s with world rank %d (tag %lld)", what,
-                      world_peer, static_cast<long long>(tag));
-        wait_id = BeginWait(kInStepWait, {world_peer}, line);
-      }
-      std::string ours, theirs;
-      if (CheckWait(wait_id, waited, &ours, &theirs) >= 0) {
-        AbortMismatch(c, ours, world_peer, theirs);
-      }
-    }
+    WatchInStepWait(
+        &wait_id, waited, c,
+        [&] {
+          char line[96];
+          std::snprintf(line, sizeof(line), "an in-step %s with world rank %d (tag %lld)", what,
+                        world_peer, static_cast<long long>(tag));
+          return std::string(line);
+        },
+        [&] { return std::vector<int>{world_peer}; });
     if (!gone && (gone = Departed(world_peer))) gone_since = now;
     // The peer may have done its part of this very exchange just before it left: 2 s grace.
     bool departed = gone && std::chrono::duration<double>(now - gone_since).count() > 2.0;
@@ -301,16 +297,15 @@ void CheckDeparted(InFlight& f, std::chrono::steady_clock::time_point now) {
     MPI_Abort(f.comm, 1);
   }
   if (f.awaited.load(std::memory_order_acquire)) {
-    if (f.wait_id == 0) {
-      char what[96];
-      std::snprintf(what, sizeof(what), "an in-step %s (tag %lld) of %d ranks", f.what,
-                    static_cast<long long>(f.tag), SizeOf(f.comm));
-      f.wait_id = BeginWait(kInStepWait, WorldPeers(f.comm), what);
-    }
-    std::string ours, theirs;
-    int peer = CheckWait(f.wait_id, std::chrono::duration<double>(now - f.awaited_at).count(),
-                         &ours, &theirs);
-    if (peer >= 0) AbortMismatch(f.comm, ours, peer, theirs);
+    WatchInStepWait(
+        &f.wait_id, std::chrono::duration<double>(now - f.awaited_at).count(), f.comm,
+        [&] {
+          char line[96];
+          std::snprintf(line, sizeof(line), "an in-step %s (tag %lld) of %d ranks", f.what,
+                        static_cast<long long>(f.tag), SizeOf(f.comm));
+          return std::string(line);
+        },
+        [&] { return WorldPeers(f.comm); });
   }
   if (departure_tag.load(std::memory_order_relaxed) < 0) return;
   if (f.gone == MPI_UNDEFINED && (f.gone = DepartedMember(f.comm)) != MPI_UNDEFINED) {

@@ -198,4 +198,17 @@ inline std::vector<int> WorldPeers(MPI_Comm c) {
   std::abort();
 }
 
+// The in-step side of wait `*id` (0: not yet registered), `waited` seconds long: registered
+// once it is long (its description and peers asked then), then checked; a mismatch ends the
+// job. `describe()` says what it waits in, `peers()` gives the world ranks it waits for.
+template <typename Describe, typename Peers>
+inline void WatchInStepWait(int64_t* id, double waited, MPI_Comm c, Describe describe,
+                            Peers peers) {
+  if (waited < kNoticeAfter || !NoticesOn()) return;
+  if (*id == 0) *id = BeginWait(kInStepWait, peers(), describe());
+  std::string ours, theirs;
+  int peer = CheckWait(*id, waited, &ours, &theirs);
+  if (peer >= 0) AbortMismatch(c, ours, peer, theirs);
+}
+
 }  // namespace mnjax
