@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from mnjax.comm import _departures as departures
 from mnjax.comm._instep import _native as native
+from mnjax.comm._instep._entry_tag import world_ranks
 
 __all__ = ["DEPARTURE_GRACE", "wait"]
 
@@ -62,11 +63,8 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
 def _world_peers(comm: Any, peers: Sequence[int] | None) -> list[int]:
   """The world ranks of `peers` of `comm` (default: every other rank) that its MPI
   communicator holds (a communicator emulated for compiling, `lab.aot`, holds fewer)."""
-  size = comm.mpi_comm.Get_size()
-  ranks = [r for r in (range(comm.size) if peers is None else peers)
-           if r != comm.rank and r < size]
-  return [int(r) for r in MPI.Group.Translate_ranks(comm.mpi_comm.Get_group(), ranks,
-                                                     MPI.COMM_WORLD.Get_group())]
+  return [w for r, w in enumerate(world_ranks(comm.mpi_comm))
+          if r != comm.rank and (peers is None or r in peers)]
 
 
 def _never_meet(what: str, peer: int, theirs: str) -> None:
