@@ -9,10 +9,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from support.launch import COMPILE_FAST
+
 # Before jax is imported: two CPU devices per process (so the multi-device kinds run as
-# 1 x 2 here and as 2 x 2 and 3 x 2 under tests/jobs/test_mpirun.py, which inherits this), quiet
-# logs. `flat` uses the first device only.
+# 1 x 2 here and as 2 x 2 under tests/jobs/test_mpirun.py), quiet logs. `flat` uses the first
+# device only. Every process the suite launches inherits these flags, LLVM's optimisations
+# off among them (`support.launch.COMPILE_FAST`: its jobs and benchmarks mostly compile).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+if COMPILE_FAST not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += f" {COMPILE_FAST}"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One persistent compilation cache for the whole run, inherited by every mpirun job it
 # launches: the ResNet jobs compile the same steps several times (start, resume).
@@ -33,9 +38,8 @@ from support.shm import remove_orphaned_segments
 
 import mnjax
 
-# This process compiles thousands of small programs and runs each a few times: LLVM's
-# optimisations off for its compiles only (JAX's option, not inherited by the jobs it
-# launches, which keep XLA's defaults or take `support.launch.COMPILE_FAST`): the fast subset
+# This process compiles thousands of small programs and runs each a few times: JAX's option
+# that turns off most of XLA's optimisations, beyond the backend's: the fast subset
 # 141 -> 117 core-s, 82 -> 65 s. tests/aot turns it back off (its schedules are the point).
 jax.config.update("jax_disable_most_optimizations", True)
 

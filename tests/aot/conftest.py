@@ -4,9 +4,14 @@ for GPUs that are not here: JAX itself runs on the CPU only."""
 
 import os
 
+from support.launch import COMPILE_FAST
+
 from lab import aot
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before the plugin starts
+# tests/conftest.py lowers the backend's optimisation level for every process of the suite:
+# these compiles keep XLA's defaults (read when the first backend starts, after this).
+os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(COMPILE_FAST, "").strip()
 if not aot.plugin_installed():
   collect_ignore_glob = ["test_*.py"]
 else:

@@ -2,13 +2,12 @@
 speed goals are judged by running `python -m lab.bench step`, not by timed tests)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support.launch import REPO, compile_bound_env
+from support.launch import REPO
 
 from lab.bench.allreduce import SWEEP
 from lab.bench.gpu import SECTIONS
@@ -17,13 +16,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 
 def run_bench(name, args, tmp_path):
-  """Runs `python -m lab.bench <name> <args> --out ...` (a smoke run: it mostly compiles, so
-  with `support.launch.COMPILE_FAST`); returns (stdout, JSON results)."""
+  """Runs `python -m lab.bench <name> <args> --out ...`; returns (stdout, JSON results)."""
   out = tmp_path / f"{name}.json"
   result = subprocess.run(
       [sys.executable, "-m", "lab.bench", name, *args, "--out", str(out)],
       cwd=REPO, capture_output=True, text=True, timeout=600,
-      env={**os.environ, **compile_bound_env()},
   )
   assert result.returncode == 0, result.stdout + result.stderr
   return result.stdout, json.loads(out.read_text())

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from support.launch import REPO, run_mpi
+from support.launch import REPO, run_mpi, xla_flags
 
 from lab import cluster
 from lab.costmodel import link
@@ -141,7 +141,7 @@ def test_parameters_equal_the_shared_memory_run(runs, tmp_path):
   for name, ranks, env in [
       ("flat", 4, {"MNJAX_EMULATE_NODES": "2"}),
       ("hierarchical", 2, {"MNJAX_EMULATE_NODES": "2",
-                           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})]:
+                           "XLA_FLAGS": xla_flags(2)})]:
     out = tmp_path / f"{name}.json"
     proc = run_mpi(ranks, [*WORKER, "--kind", name, "--out", str(out)], timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:]

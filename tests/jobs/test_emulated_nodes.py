@@ -4,12 +4,12 @@ devices per process): node-local ranks, node counts, device selection and every 
 import re
 
 import pytest
-from support.launch import run_mpi
+from support.launch import run_mpi, xla_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
 RANKS = 4
-ENV = {"MNJAX_EMULATE_NODES": "2", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+ENV = {"MNJAX_EMULATE_NODES": "2", "XLA_FLAGS": xla_flags(2)}
 
 
 # xla starts jax.distributed, which reroutes every CPU collective of its process: own launch.

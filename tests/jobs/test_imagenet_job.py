@@ -6,7 +6,7 @@ import re
 import shutil
 
 import pytest
-from support.launch import compile_bound_env, run_mpi
+from support.launch import run_mpi
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
@@ -17,7 +17,7 @@ FLAGS = ["tests/support/imagenet_job_mocked.py", "--config", "resnet18_cifar10",
 
 def run(workdir, *flags):
   result = run_mpi(2, [*FLAGS, "--workdir", str(workdir), *flags], timeout=600,
-                   env={"MNJAX_MOCK_EXAMPLES": "32", **compile_bound_env()})
+                   env={"MNJAX_MOCK_EXAMPLES": "32"})
   assert result.returncode == 0, result.stdout[-8000:]
   digests = dict(re.findall(r"DIGEST rank (\d) ([0-9a-f]{64})", result.stdout))
   assert set(digests) == {"0", "1"}, result.stdout[-4000:]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from support.events import read_scalars
-from support.launch import REPO, run_mpi
+from support.launch import REPO, run_mpi, xla_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
@@ -76,7 +76,7 @@ def test_flat_4_processes_hierarchical_and_xla_2x2_train_the_same_parameters(tmp
         ranks,
         ["experiments/train.py", "--comm", kind, "--epochs", "1", "--no-progress",
          "--workdir", str(tmp_path / kind)],
-        timeout=600, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        timeout=600, env={"XLA_FLAGS": xla_flags(2)},
     )
     assert result.returncode == 0, result.stdout[-5000:]
   flat = np.load(tmp_path / "flat" / "params.npz")

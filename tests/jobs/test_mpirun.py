@@ -1,12 +1,12 @@
 """Runs tests/distributed/ under `mpirun -n 2` and `-n 3` (and the model-parallel files under
 `-n 4`), each under a hard timeout.
 
-These launches mostly compile (hundreds of small programs, a few steps each): they run with
-LLVM's optimisations off (`support.launch.COMPILE_FAST`), as the suite's own process does."""
+These launches mostly compile (hundreds of small programs, a few steps each), with LLVM's
+optimisations off as every launch of the suite (`support.launch.COMPILE_FAST`)."""
 
 import pytest
 from support.distributed_suite import assert_every_rank_passed, pytest_args
-from support.launch import compile_bound_env, run_mpi
+from support.launch import run_mpi
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
@@ -38,15 +38,14 @@ BATCH_NORM_AT_3 = tuple(f"tests/distributed/test_batch_norm.py::{name}" for name
 # suite's default per-test limit (run_mpi's own 900 s ends a hang).
 @pytest.mark.timeout(900)
 def test_distributed_suite_under_mpirun_2():
-  result = run_mpi(2, pytest_args(), timeout=900, env=compile_bound_env())
+  result = run_mpi(2, pytest_args(), timeout=900)
   # Every rank ran the suite and none skipped everything.
   assert_every_rank_passed(result, 2)
 
 
 @pytest.mark.timeout(900)
 def test_distributed_suite_under_mpirun_3():
-  result = run_mpi(3, pytest_args(AT_3 + BATCH_NORM_AT_3), timeout=900,
-                   env=compile_bound_env())
+  result = run_mpi(3, pytest_args(AT_3 + BATCH_NORM_AT_3), timeout=900)
   assert_every_rank_passed(result, 3)
 
 
@@ -55,5 +54,5 @@ def test_model_parallel_under_mpirun_4():
   ranks (one rank runs no stage of the graph)."""
   files = tuple(f"tests/distributed/{name}.py" for name in (
       "test_multi_node_chain", "test_multi_node_rnn", "test_functions_parts"))
-  result = run_mpi(4, pytest_args(files), timeout=600, env=compile_bound_env())
+  result = run_mpi(4, pytest_args(files), timeout=600)
   assert_every_rank_passed(result, 4, at_least=20)

@@ -7,8 +7,7 @@ Each launch trains the digits CNN over 12 replicas (12 / P emulated CPU devices 
 process) with a global batch of 96; the parameters are compared by their digest, the
 metrics as the floats metrics.jsonl holds. Without --replicas the same launches give a
 different digest at each process count (docs/results/replicas.md), which is what makes
-these equalities a test. The launches run with LLVM's optimisations off
-(`support.launch.COMPILE_FAST`, a quarter less CPU here): every launch alike.
+these equalities a test. Every launch compiles alike (`support.launch.COMPILE_FAST`).
 """
 
 import hashlib
@@ -17,7 +16,7 @@ import shutil
 
 import numpy as np
 import pytest
-from support.launch import compile_bound_env, run_mpi
+from support.launch import run_mpi
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
@@ -27,7 +26,7 @@ ARGS = ["experiments/train.py", "--replicas", "12", "--global_batch_size", "96",
 
 def train(workdir, processes, epochs, *more):
   result = run_mpi(processes, [*ARGS, "--workdir", str(workdir), "--epochs", str(epochs),
-                               *more], timeout=600, env=compile_bound_env())
+                               *more], timeout=600)
   assert result.returncode == 0, result.stdout[-10000:]
   assert "12 replicas, exact sums" in result.stdout
   return digest(workdir)
@@ -72,6 +71,6 @@ def test_the_same_bits_at_any_number_of_processes_and_across_resumes(tmp_path):
 def test_a_resume_with_another_replica_count_is_refused(tmp_path):
   train(tmp_path / "run", 2, 1)
   result = run_mpi(2, [*ARGS[:2], "6", *ARGS[3:], "--workdir", str(tmp_path / "run"),
-                       "--epochs", "2", "--resume"], timeout=300, env=compile_bound_env())
+                       "--epochs", "2", "--resume"], timeout=300)
   assert result.returncode != 0
   assert "replicas" in result.stdout and "12" in result.stdout, result.stdout[-5000:]

@@ -20,7 +20,7 @@ import uuid
 
 import numpy as np
 import pytest
-from support.launch import REPO, run_mpi
+from support.launch import REPO, run_mpi, xla_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
@@ -194,7 +194,7 @@ def test_srun_with_comm_xla_trains_the_same_parameters(cluster, reference, tmp_p
   # jax.distributed under srun: the coordinator chosen by mnjax over MPI and checked from
   # every rank (mnjax/comm/_coordinator.py), gloo between the tasks. One device per task:
   # two float32 values per sum, as the flat reference, so bitwise equal.
-  env = {**cluster, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  env = {**cluster, "XLA_FLAGS": xla_flags(1)}
   name = f"mnjax-{uuid.uuid4().hex[:8]}"
   proc = subprocess.Popen(
       ["srun", "-J", name, "-N", "2", "-n", "2", *TRAIN, *FLAGS, "--comm", "xla",

@@ -2,7 +2,7 @@
 (tests/support/xla_worker.py)."""
 
 import pytest
-from support.launch import run_mpi
+from support.launch import run_mpi, xla_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 
@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpirun]
 def test_xla_kind_under_mpirun(ranks):
   result = run_mpi(
       ranks, ["tests/support/xla_worker.py"], timeout=300,
-      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+      env={"XLA_FLAGS": xla_flags(2)},
   )
   assert result.returncode == 0, result.stdout[-8000:]
   assert result.stdout.count("XLA OK") == ranks, result.stdout[-8000:]

@@ -12,16 +12,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 #: XLA's flag that lowers the backend's (LLVM's) optimisation level: 24-41% less CPU for a
-#: launch that mostly compiles (many programs, a few steps each: the suites under mpirun, the
-#: benchmarks' smoke runs; measured in docs/testing.md), slower machine code for one that runs
-#: many steps. The suite in one process keeps the default level.
+#: launch that mostly compiles (many programs, a few steps each), 27% less for a 2-epoch
+#: digits job (measured in docs/testing.md). tests/conftest.py adds it to the ``XLA_FLAGS``
+#: every process of the suite inherits, so every launch compiles alike (it changes the last
+#: bits of a trained model: launches compared bitwise must share it). tests/aot drops it.
 COMPILE_FAST = "--xla_backend_optimization_level=0"
 
 
-def compile_bound_env() -> dict[str, str]:
-  """The environment for a launch that mostly compiles: this one's ``XLA_FLAGS`` (the emulated
-  device count) plus `COMPILE_FAST`."""
-  return {"XLA_FLAGS": " ".join(f for f in [os.environ.get("XLA_FLAGS", ""), COMPILE_FAST] if f)}
+def xla_flags(devices: int) -> str:
+  """``XLA_FLAGS`` for a launch with its own number of emulated CPU devices, compiled as
+  every other launch (`COMPILE_FAST`)."""
+  return f"--xla_force_host_platform_device_count={devices} {COMPILE_FAST}"
 
 
 def mpirun_path() -> str:
