@@ -45,7 +45,7 @@ _MINE = _Mine()
 GAP = (
     "mnjax.functions: an exchange of this step was traced inside a trace that ended before"
     " the next one and that no other check refuses (e.g. a custom transformation's trace),"
-    " so nothing can order the next exchange after it. " + checks.HINT)
+    " so nothing can order the next exchange after it. " + trace_check.HINT)
 
 
 def _last(comm: Any) -> jax.Array | None:

@@ -13,9 +13,10 @@ from mnjax.comm._instep import _sequence as sequence
 from mnjax.comm._instep._compat import traced_for
 from mnjax.comm._instep._primitives import mpi_datatype
 from mnjax.functions import _transport as transport
+from mnjax.functions._trace_check import HINT, INNER_JIT
 from mnjax.guard import _pairing as pairing
 
-__all__ = ["BODY", "HINT", "INNER_JIT", "checked", "communicator", "like_spec", "misplaced",
+__all__ = ["BODY", "checked", "communicator", "like_spec", "misplaced",
            "payload", "rank_problem", "refuse", "stand_in"]
 
 #: Bodies that run a traced exchange zero or several times (`_compat.traced_for`'s names).
@@ -23,22 +24,10 @@ _BODIES = {"cond": "lax.cond", "switch": "lax.switch", "while_cond": "lax.while_
            "while_body": "lax.while_loop", "scan": "lax.scan (or fori_loop)",
            "checkpoint": "jax.checkpoint"}
 
-#: Where an exchange belongs (the end of `BODY`, `INNER_JIT` and `_chain.GAP`).
-HINT = (
-    "Call mnjax.functions at the step's top level (a Python loop or condition on static"
-    " values instead), or in the functions jax.grad, jax.value_and_grad or jax.vjp"
-    " differentiate")
-
 BODY = (
     "mnjax.functions.{caller}: called inside a {body}, which runs a traced exchange"
     " zero times (a branch not taken) or several times (a loop), so the ranks would not"
     " exchange what the pre-flight check paired (a hang). " + HINT)
-
-INNER_JIT = (
-    "mnjax.functions.{caller}: called inside an inner jax.jit (a jitted function called from"
-    " the jitted step): JAX caches its trace and reuses it in later steps without tracing"
-    " the exchange again, so their checks would not see it. Call the exchanges in the"
-    " step's own function (drop the inner jax.jit). " + HINT)
 
 
 def communicator(comm: Any, caller: str) -> Communicator:

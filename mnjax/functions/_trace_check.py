@@ -12,9 +12,21 @@ from mnjax.comm._instep._compat import outermost_trace, traced_for, traced_funct
 from mnjax.guard import _pairing as pairing
 from mnjax.guard import _preflight as preflight
 
-__all__ = ["OUTSIDE_GRAD", "StepCheck", "ambient", "current"]
+__all__ = ["HINT", "INNER_JIT", "OUTSIDE_GRAD", "StepCheck", "ambient", "current"]
 
 _CALLER = "mnjax.functions (a step under jax.jit)"
+
+#: Where an exchange belongs (the end of `_checks.BODY`, `INNER_JIT` and `_chain.GAP`).
+HINT = (
+    "Call mnjax.functions at the step's top level (a Python loop or condition on static"
+    " values instead), or in the functions jax.grad, jax.value_and_grad or jax.vjp"
+    " differentiate")
+
+INNER_JIT = (
+    "mnjax.functions.{caller}: called inside an inner jax.jit (a jitted function called from"
+    " the jitted step): JAX caches its trace and reuses it in later steps without tracing"
+    " the exchange again, so their checks would not see it. Call the exchanges in the"
+    " step's own function (drop the inner jax.jit). " + HINT)
 
 OUTSIDE_GRAD = (
     "mnjax.functions: an exchange was differentiated from outside its jitted step"
@@ -88,6 +100,19 @@ class StepCheck:
       with _AGREED_LOCK:
         _agreed(self.step).add((world, tuple(self.log)))
       self._passed = True
+
+  def refuse_reuse(self, caller: str) -> None:
+    """Refuses this check's exchange lowered inside another program, on every rank.
+
+    JAX reused a jitted function's trace, which this check paired when the function ran on
+    its own, inside a step that calls it. A check round of its own carries the refusal, so
+    a rank whose step traced the function afresh (and refused it there) meets it too.
+    """
+    refusal = StepCheck()
+    for comm in self.comms:
+      refusal.join(comm)
+    refusal.note(None, (pairing.entry(INNER_JIT.format(caller=caller), "refused", ()), (), ""))
+    refusal.run()
 
   def _over(self) -> Communicator:
     """The largest communicator used if it holds every other one's ranks, else `ExchangeError`."""

@@ -189,11 +189,26 @@ def _abstract(*operands, shape, dtype, **_):
   return ShapedArray(shape, dtype), {_EFFECT}
 
 
+def _in_own_function() -> bool:
+  """Whether the op being lowered sits in the program's own function (``main``), not in a
+  function it calls: a nested ``jax.jit``'s trace, which JAX may have cached from a call of
+  its own and reused here without tracing its exchanges again."""
+  try:
+    op = mlir.ir.InsertionPoint.current.block.owner
+    while op.operation.name != "func.func":
+      op = op.parent
+  except ValueError:  # no enclosing function to read: nothing to refuse
+    return True
+  return mlir.ir.StringAttr(op.attributes["sym_name"]).value == "main"
+
+
 def _lower_cpu(ctx, *operands, target, comm_handle, attrs, count, shape, dtype, wire,
                aliased, check):
   del shape, dtype
-  if check is not None:
-    check.run()  # the pairing check of a plain jax.jit step: before it ever runs
+  if check is not None:  # the pairing check of a plain jax.jit step: before it ever runs
+    if not _in_own_function():
+      check.refuse_reuse(target.removeprefix("mnjax_mpi_"))
+    check.run()
   native.register()  # one registration for every handler
   kw = {"operand_output_aliases": {0: 0}} if aliased else {}
   lowering = ffi.ffi_lowering(target, has_side_effect=True, **kw)
@@ -240,6 +255,7 @@ _check_p.def_effectful_abstract_eval(
     lambda zero, **_: (ShapedArray((), np.float32), {_CHECK_EFFECT}))
 _check_p.def_impl(_eager)
 mlir.register_lowering(_check_p, _lower_check)
-mlir.register_lowering(exchange_p, _lower_cpu, platform="cpu")
+# Not cached across functions: `_in_own_function` reads where each exchange is lowered.
+mlir.register_lowering(exchange_p, _lower_cpu, platform="cpu", cacheable=False)
 mlir.register_lowering(exchange_p, _lower_gpu, platform="cuda")
 ad.primitive_jvps[exchange_p] = _no_differentiation

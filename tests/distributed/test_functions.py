@@ -294,16 +294,29 @@ def test_an_exchange_inside_an_inner_jit_is_refused_on_every_rank(comm, jit):
   same_on_every_rank(comm, raised.value)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "known hole (docs/design/functions.md, Scope): a jitted function traced once on its own"
-    " and then called from a step is not traced again, so neither the refusal nor the"
-    " step's check sees its exchange"))
 @JITS
 def test_a_cached_inner_jit_is_refused_too(comm, jit):
   """The inner jax.jit's trace made before the step (by a call of its own, on every rank):
-  JAX reuses it inside the step, whose check then never sees the exchange."""
+  JAX reuses it inside the step without tracing the exchange again, so the refusal comes
+  when the step is lowered, where the exchange sits in a function the step calls."""
   inner = jax.jit(gathered(comm))
   inner(jnp.ones(2))  # a step of its own: checked, and run on every rank
+  with pytest.raises(F.ExchangeError, match="called inside an inner jax.jit") as raised:
+    jit(lambda x: inner(x) + 1, comm)(jnp.ones(2))
+  same_on_every_rank(comm, raised.value)
+
+
+@multi_rank
+@JITS
+def test_a_cached_inner_jit_on_one_rank_is_refused_on_every_rank(comm, jit):
+  """Rank 0 cached the inner function's trace by a call of its own (the others ran another
+  function with the same exchange); in the step, rank 0's exchange comes back untraced and
+  the others trace it afresh: every rank raises, naming the inner jax.jit."""
+  inner = jax.jit(gathered(comm))
+  if comm.rank == 0:
+    inner(jnp.ones(2))
+  else:
+    jax.jit(gathered(comm))(jnp.ones(2))
   with pytest.raises(F.ExchangeError, match="called inside an inner jax.jit"):
     jit(lambda x: inner(x) + 1, comm)(jnp.ones(2))
 
