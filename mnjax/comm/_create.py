@@ -160,7 +160,8 @@ def create_communicator(
   """Builds the (frozen, hashable) `Communicator` for data-parallel training; call on every rank.
 
   Args:
-    kind: one of `KINDS`, or ``auto`` (``xla`` on GPUs, ``flat`` on CPUs).
+    kind: one of `KINDS`, or ``auto`` (``xla`` on GPUs, ``flat`` on CPUs; ``hierarchical``
+      with `replicas`).
     mpi_comm: the MPI communicator to train over (default ``MPI.COMM_WORLD``); mnjax clones it.
     axis_name: name of the mapped local-device axis (under ``xla``: every device of the job).
     local_devices: multi-device kinds: local devices to drive (default: this process's share).

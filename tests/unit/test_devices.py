@@ -1,5 +1,6 @@
-"""Device selection for the usual GPU layouts (pure logic: `mnjax.comm._devices.plan_devices`) and
-mpi4jax's CUDA set-up (`mnjax.comm._cuda_mpi`), which this machine can check without a GPU."""
+"""Device selection for the usual GPU layouts (pure logic: `plan_devices` in
+`mnjax/comm/_devices.py`) and mpi4jax's CUDA set-up (`mnjax/comm/_cuda_mpi.py`), which this
+machine can check without a GPU."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""mnjax.comm._instep._exact: integer-limb sums whose bits do not depend on the order or the
+"""`mnjax/comm/_instep/_exact.py`: integer-limb sums whose bits do not depend on the order or the
 grouping of the summands, within the stated error of the exact sum."""
 
 import jax

@@ -1,4 +1,4 @@
-"""The pairing check of model-parallel steps (`mnjax.guard._pairing`), on hand-written
+"""The pairing check of model-parallel steps (`mnjax/guard/_pairing.py`), on hand-written
 sequences of up to four ranks: what completes, and what each stuck rank is told."""
 
 import pytest
