@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lab/, beside mnj
 
 import lab.runner
 import mnjax
-from lab import models
+from lab import augment, models
 from lab.runner import flag
-from mnjax.data import Loader, augment
+from mnjax.data import Loader
 from mnjax.optim import recipes
 
 CONFIGS = Path(__file__).resolve().parent / "configs"

@@ -10,5 +10,6 @@ Run from the checkout root (it is not installed with ``pip install mnjax``); it 
 * `lab.costmodel` — the alpha-beta model that predicts scaling beyond this machine;
 * `lab.timeline` — the viewer for ``MNJAX_TIMELINE`` traces: ``python -m lab.timeline view``;
 * `lab.models` — the reference models (a small CNN, ResNets);
+* `lab.augment` — the experiments' image preprocessing (crops, flips, normalisation);
 * `lab.runner` — the experiments' classifier, guarded epoch loop, flags and work directory.
 """

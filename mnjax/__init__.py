@@ -9,8 +9,8 @@ Gradient allreduce is an optax transformation; MPI (through mpi4jax) moves the g
 
 Run the script under ``mpirun -n 4`` or ``srun``, or alone for a size-1 communicator.
 
-Subpackages, one layer each (docs/design/overview.md): comm, guard, functions, optim, nn, data,
-checkpoint, model_parallel, train. Re-exported here: the names most scripts need.
+Subpackages, from the bottom layer up (docs/design/overview.md): comm; guard, data, nn; optim;
+checkpoint, train; functions; model_parallel. Re-exported here: the names most scripts need.
 """
 
 from mnjax import (

@@ -1,7 +1,7 @@
-"""Layer 3 — data: from a named dataset to each replica's examples (docs/design/data.md).
+"""Data: from a named dataset to each replica's examples (docs/design/data.md).
 
 * Sources: `open_source` (by name, random-access uint8 `Source`s); `load` / `load_digits`
-  hold a small split in memory as a float32 `Split`. `augment`: image augmentations.
+  hold a small split in memory as a float32 `Split`.
 * Order: `global_batch_slices`, behind `epoch_batches` (arrays) and `Loader` (a `Source`).
 * ChainerMN's: `scatter_index` / `scatter_dataset` (one block per rank), and for the same
   batches on every rank `create_multi_node_iterator`, `create_synchronized_iterator`,
@@ -14,7 +14,6 @@ Example::
       state, metrics = step(state, train.images[idx], train.labels[idx])
 """
 
-from mnjax.data import augment
 from mnjax.data._empty import EmptyDataset, create_empty_dataset
 from mnjax.data._iterators import create_multi_node_iterator, create_synchronized_iterator
 from mnjax.data._loader import Batch, Loader
@@ -53,7 +52,6 @@ __all__ = [
     "Split",
     "SubDataset",
     "as_split",
-    "augment",
     "create_empty_dataset",
     "create_multi_node_iterator",
     "create_synchronized_iterator",

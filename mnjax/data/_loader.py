@@ -47,7 +47,7 @@ class Loader:
 
   Example:
     >>> source = mnjax.data.open_source("synthetic", "train", image_size=8, synthetic_size=64)
-    >>> train_fn, _ = mnjax.data.augment.transforms("synthetic", image_size=8)
+    >>> train_fn = lambda image, rng: image.astype(np.float32) / 255   # e.g. crops, flips
     >>> loader = mnjax.data.Loader(source, comm, 16 // comm.size, train_fn, train=True)
     >>> for batch in loader.epoch(0):
     ...   images, labels = batch.images, batch.labels  # state, metrics = step(state, ...)

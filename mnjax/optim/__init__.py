@@ -1,4 +1,4 @@
-"""Layer 2 — optax gradient transformations built on the in-step collectives.
+"""Optax gradient transformations built on the in-step collectives.
 
 * `allreduce_gradients`: each gradient becomes its mean over every device of every rank.
 * `create_multi_node_optimizer`: ChainerMN's wrapper, keeping `tx`'s own state.

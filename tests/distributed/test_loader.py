@@ -10,7 +10,8 @@ import pytest
 import tensorflow_datasets as tfds
 
 import mnjax
-from mnjax.data import Loader, augment, open_source
+from lab import augment
+from mnjax.data import Loader, open_source
 
 N = 37  # not a multiple of any rank count or batch size
 
@@ -189,19 +190,3 @@ def test_missing_tensorflow_datasets_names_the_extra(monkeypatch):
   monkeypatch.setitem(__import__("sys").modules, "tensorflow_datasets", None)
   with pytest.raises(ImportError, match=r"mnjax\[data\]"):
     open_source("mnist", "train")
-
-
-def test_image_transforms():
-  rng = np.random.default_rng(0)
-  image = rng.integers(0, 256, (30, 50, 3), np.uint8)
-  assert augment.random_resized_crop(image, rng, 16).shape == (16, 16, 3)
-  assert augment.pad_and_random_crop(image, rng).shape == image.shape
-  # Center crop of an image already at size/0.875: the middle, untouched.
-  square = rng.integers(0, 256, (32, 32, 1), np.uint8)
-  np.testing.assert_array_equal(augment.center_crop(square, 28), square[2:30, 2:30])
-  flips = {augment.random_flip(image, np.random.default_rng(s))[0, 0, 0] for s in range(20)}
-  assert flips == {image[0, 0, 0], image[0, -1, 0]}
-  train, evaluate = augment.transforms("imagenet2012", image_size=24)
-  assert train(image, rng).shape == evaluate(image, None).shape == (24, 24, 3)
-  with pytest.raises(ValueError, match="no preprocessing"):
-    augment.transforms("svhn")

@@ -4,8 +4,8 @@ Rules (fast, no MPI launch; the library is imported, nothing runs):
 
 * API table (docs/api.md): every public name has a row. Public: every name in
   ``mnjax.__all__``, in the ``__all__`` of every subpackage listed there (``mnjax.comm``,
-  ...) and, recursively, of every public module listed in one (``mnjax.optim.recipes``,
-  ``mnjax.data.augment``). A name ``X`` of module ``M`` counts as documented when a code span
+  ...) and, recursively, of every public module listed in one (``mnjax.optim.recipes``).
+  A name ``X`` of module ``M`` counts as documented when a code span
   in docs/api.md *starts with* the qualified name ``M.X`` followed by nothing, ``(`` or any
   character that cannot continue a dotted name: ```mnjax.comm.abort(message)``` documents
   ``mnjax.comm.abort``; ```mnjax.broadcast``` documents the top-level ``broadcast``; an

@@ -1,7 +1,8 @@
-"""Per-example image preprocessing on the host: pure numpy functions of ``(image, rng)``.
+"""The experiments' per-example image preprocessing on the host: pure numpy functions of
+``(image, rng)``, the transforms a `mnjax.data.Loader` applies.
 
 Example:
-  >>> train, evaluate = mnjax.data.augment.transforms("imagenet2012", image_size=224)
+  >>> train, evaluate = lab.augment.transforms("imagenet2012", image_size=224)
   >>> image_uint8 = np.zeros((300, 400, 3), np.uint8)       # what a Source returns
   >>> x = train(image_uint8, np.random.default_rng(0))
   >>> x.shape, x.dtype
