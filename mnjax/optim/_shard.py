@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from mnjax.comm._communicator import Communicator, check_communicator
+from mnjax.comm._instep import _allreduce as allreduce
 from mnjax.comm._instep import _buckets as bucketing
 from mnjax.comm._instep import _primitives as mpi_ops
 from mnjax.comm._instep import _scatter as scatter
@@ -35,11 +36,15 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
   """ZeRO-1: `tx` with its state sharded over the ranks; replaces ``chain(allreduce, tx)``.
 
   A step reduce-scatters the gradients, runs `tx` on this rank's 1-D share of every leaf
-  (its `ShardedState`), and all-gathers the updates.
+  (its `ShardedState`), and all-gathers the updates. On an exact communicator
+  (``replicas=``) the step instead takes its share of the exact mean, as
+  `allreduce_gradients` computes it, so the updates have the same bits on any number of
+  processes, and the state, saved whole, resumes on another.
 
   Args:
     tx: the optimizer to shard, elementwise; known whole-tree transformations are refused.
-    comm: a ``flat`` `Communicator` (one process per device).
+    comm: a ``flat`` `Communicator` (one process per device), or any kind with
+      ``replicas=``: the state is sharded over the processes, the same on their devices.
     wire_dtype: None or ``jnp.bfloat16`` / ``jnp.float16``: the gradients' reduce-scatter in
       16 bits with float32 sums; updates are all-gathered in their own dtype.
     bucket_bytes, preflight_timeout: as in `allreduce_gradients`.
@@ -66,18 +71,14 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
     raise TypeError(f"{caller}: the wrapped transformation comes first, as in optax's wrappers:"
                     f" {caller}(tx, comm), got a Communicator as the first argument.")
   check_communicator(comm, caller)
-  if comm.kind != "flat":
+  if comm.kind != "flat" and not comm.exact:
     raise ValueError(
-        f"{caller}: kind {comm.kind!r} is not supported; shard_optimizer shards the optimizer"
-        " state over ranks of a 'flat' communicator (one process per device). With"
-        f" {comm.kind!r} the local devices of a process would each need their own share"
-        " inside mnjax.data_parallel. Use create_communicator('flat') with one process per"
-        " device, or optax.chain(mnjax.allreduce_gradients(comm), tx) (unsharded state).")
-  if comm.exact:
-    raise ValueError(
-        f"{caller}: its reduce-scatter sums in floating point, but this communicator promises"
-        " exact sums (create_communicator(..., replicas=...)). Use"
-        " optax.chain(mnjax.allreduce_gradients(comm), tx), or drop replicas=.")
+        f"{caller}: kind {comm.kind!r} is not supported without replicas=; shard_optimizer"
+        " shards the optimizer state over ranks of a 'flat' communicator (one process per"
+        " device), or over the processes of a communicator with exact sums"
+        f" (create_communicator({comm.kind!r}, replicas=V)). Use create_communicator('flat')"
+        " with one process per device, pass replicas=, or use"
+        " optax.chain(mnjax.allreduce_gradients(comm), tx) (unsharded state).")
   if not (isinstance(tx, tuple) and callable(getattr(tx, "init", None))
           and callable(getattr(tx, "update", None))):
     raise TypeError(f"{caller}: tx must be an optax.GradientTransformation (e.g."
@@ -90,6 +91,11 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
         + ". Each rank runs tx on its share of every leaf only, so it would silently"
         " compute something else.")
   wire_dtype = wire.check_wire_dtype(wire_dtype, caller)
+  if comm.exact and wire_dtype is not None:
+    raise ValueError(
+        f"{caller}: wire_dtype={wire_dtype} rounds each gradient to 16 bits, but this"
+        " communicator promises exact sums (create_communicator(..., replicas=...)): the"
+        " same bits on any number of processes. Drop wire_dtype, or replicas=.")
   bucket_bytes = bucketing.check_bucket_bytes(bucket_bytes, caller, comm)
   if clip_global_norm is not None and (
       isinstance(clip_global_norm, bool) or not isinstance(clip_global_norm, (int, float))
@@ -128,12 +134,18 @@ def shard_optimizer(tx: optax.GradientTransformation, comm, *, wire_dtype: Any =
     preflight.check_same_on_all_ranks(
         comm, "the gradients and sharded optimizer state", signature, caller=caller,
         timeout=preflight_timeout)
-    grads, last = scatter.reduce_scatter_tree(
-        updates, comm, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
-    if wire_dtype is not None:  # the share is float32: tx sees the gradients' own dtypes
-      grads = jax.tree.map(lambda s, g: s.astype(jnp.asarray(g).dtype), grads, updates)
-    if clip_global_norm is not None:
-      grads, last = _clip(grads, clip_global_norm, comm, last)
+    if comm.exact:  # this process's share of the exact mean: the same bits on any layout
+      mean = allreduce.allreduce_tree(updates, comm, bucket_bytes=bucket_bytes)
+      if clip_global_norm is not None:
+        mean, _ = _clip(mean, clip_global_norm, None, None)  # the whole tree: on every rank
+      grads, last = _shares(mean, index, parts), None
+    else:
+      grads, last = scatter.reduce_scatter_tree(
+          updates, comm, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
+      if wire_dtype is not None:  # the share is float32: tx sees the gradients' own dtypes
+        grads = jax.tree.map(lambda s, g: s.astype(jnp.asarray(g).dtype), grads, updates)
+      if clip_global_norm is not None:
+        grads, last = _clip(grads, clip_global_norm, comm, last)
     shares = None if params is None else _shares(params, index, parts)
     # Another hyperparameter on one rank would be invisible to check_replicas: compare programs.
     program.check_same_program(
@@ -154,11 +166,12 @@ def _shares(tree: Any, index: int, parts: int) -> Any:
 
 
 def _clip(grads: Any, max_norm: float, comm, after: Any) -> tuple[Any, Any]:
-  """``optax.clip_by_global_norm`` on shares: the squared norm summed over every rank."""
+  """``optax.clip_by_global_norm`` on shares: the squared norm summed over every rank (`comm`;
+  None: `grads` is the whole tree)."""
   leaves = jax.tree.leaves(grads)
   partial = sum((jnp.sum(jnp.real(x * jnp.conj(x))).astype(jnp.float32) for x in leaves),
                 jnp.zeros((), jnp.float32))
-  if comm.size > 1:
+  if comm is not None and comm.size > 1:
     every = mpi_ops.allgather(partial.reshape(1), comm.device_comm, after)  # (P, 1)
     after = every
     partial = every[0, 0]

@@ -1,4 +1,7 @@
-"""In-step reduce-scatter and all-gather of pytrees for `mnjax.shard_optimizer` (ZeRO-1)."""
+"""In-step reduce-scatter and all-gather of pytrees for `mnjax.shard_optimizer` (ZeRO-1).
+
+The reduce-scatter runs over ``flat`` communicators; the all-gather joins one share per
+process, also under the multi-device kinds (every local device gets the same bits)."""
 
 from __future__ import annotations
 
@@ -119,13 +122,28 @@ def allgather_tree(shares: Any, shapes: Any, comm: Communicator, *,
   for bucket in _exact_buckets(leaves, bucket_bytes):
     members = [leaves[i] for i in bucket.positions]
     row = members[0] if len(members) == 1 else jnp.concatenate(members)
-    gathered = mpi_ops.allgather(row, comm.device_comm, previous)  # (parts, sum c_i)
+    gathered = _gather_processes(row, comm, previous)  # (parts, sum c_i)
     previous = gathered
     offset = 0
     for i, x in zip(bucket.positions, members):
       out[i] = unshard_leaf(gathered[:, offset:offset + x.size], tuple(np.shape(like[i])))
       offset += x.size
   return jax.tree_util.tree_unflatten(treedef, out), previous
+
+
+def _gather_processes(row: jax.Array, comm: Communicator, after: Any) -> jax.Array:
+  """Every process's `row` stacked, ``(comm.size, n)``. Multi-device kinds: local device 0
+  gathers across the processes and a ``psum`` of raw words with the others' zeros hands the
+  rows to every local device, bit for bit."""
+  if not comm.multi_device:
+    return mpi_ops.allgather(row, comm.device_comm, after)
+  first = jax.lax.axis_index(comm.axis_name) == 0
+  rows = jax.lax.cond(
+      first, lambda r, a: mpi_ops.allgather(r, comm.device_comms[0], a),
+      lambda r, a: jnp.zeros((comm.size, *r.shape), r.dtype), row, mpi_ops.after_operand(after))
+  words = jnp.dtype(f"uint{8 * rows.dtype.itemsize}")
+  summed = jax.lax.psum(jax.lax.bitcast_convert_type(rows, words), comm.axis_name)
+  return jax.lax.bitcast_convert_type(summed, rows.dtype)
 
 
 def _exact_buckets(leaves: list[Any], bucket_bytes: int | None) -> list[Bucket]:
