@@ -73,3 +73,33 @@ def test_a_batch_position_past_the_arguments_is_an_error_naming_their_number(kin
   with pytest.raises(ValueError, match=r"batch_argnums=\(5,\) names position\(s\) \[5\], but"
                                        r" the step was called with 2 argument\(s\)"):
     run(jnp.ones(3), np.ones(2 * kc.local_device_count, np.float32))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_get_metrics_reads_the_global_mean_of_a_metric_reduced_in_the_step(kind):
+  """README step 7: flax's `common_utils.get_metrics` keeps local device 0's row. A metric
+  reduced in the step by `allreduce_tree` has the global batch's mean in every row, on every
+  rank; one not reduced is device 0's own value (why step 7 never takes row 0 of it)."""
+  from flax.training import common_utils
+
+  kc = mnjax.create_communicator(kind)
+  per_process = 2 * kc.local_device_count  # two examples per device
+
+  def step(x):
+    loss = (x ** 2).mean()
+    return mnjax.comm.allreduce_tree({"loss": loss}, kc), {"loss": loss}
+
+  run = mnjax.data_parallel(step, kc, batch_argnums=(0,), per_device_outputs=(0, 1))
+  history, want_global, want_device0 = [], [], []
+  for s in range(3):  # three steps, each on a global batch every rank can rebuild
+    batch = np.arange(kc.size * per_process, dtype=np.float32) / 4 + s
+    x = batch[kc.rank * per_process:(kc.rank + 1) * per_process]
+    history.append(run(x))
+    want_global.append((batch ** 2).mean())
+    want_device0.append((x[:2] ** 2).mean())
+  reduced = common_utils.get_metrics([reduced for reduced, _ in history])
+  own = common_utils.get_metrics([own for _, own in history])
+  np.testing.assert_allclose(reduced["loss"], want_global, rtol=1e-6)
+  np.testing.assert_allclose(own["loss"], want_device0, rtol=1e-6)
+  if kc.num_replicas > 1:  # device 0's own value is not the batch's
+    assert not np.allclose(own["loss"], want_global, rtol=1e-3)
