@@ -1,5 +1,5 @@
-"""Jobs whose in-step exchange can never complete (`python instep_waits.py CASE`, 2 ranks):
-each must end the job naming the ranks, not hang. No watchdog runs: the waits themselves end.
+"""Jobs whose waits can never complete (`python instep_waits.py CASE`, 2 ranks): each must
+end the job naming the ranks, not hang. No watchdog runs: the waits themselves end.
 
 - ``peer_finished``: rank 1 runs one step fewer of a send/recv loop and exits normally while
   rank 0 waits in its recv;
@@ -16,7 +16,11 @@ each must end the job naming the ranks, not hang. No watchdog runs: the waits th
 - ``step_meets_host_round``: rank 0 runs a step's gradient allreduce while rank 1 waits in a
   host round (`bcast_obj`): each waits for the other, and both are named within seconds
   (the wait notices), not at the bound;
-- ``recv_meets_host_round``: the same with a second in-step recv against `allreduce_obj`.
+- ``recv_meets_host_round``: the same with a second in-step recv against `allreduce_obj`;
+- ``host_rounds_in_another_order``: two communicators over the same ranks (the job's and
+  ``comm.split(0)``), whose host rounds (`bcast_obj`) rank 0 enters in one order and rank 1
+  in the other: each waits in one for the other, named within seconds (the wait notices carry
+  the communicator's uid).
 """
 
 import sys
@@ -103,6 +107,12 @@ def recv_meets_host_round(comm) -> None:
   else:
     comm.allreduce_obj(1)
 
+def host_rounds_in_another_order(comm) -> None:
+  sub = comm.split(0)  # the same ranks, another communicator
+  first, second = (comm, sub) if comm.rank == 0 else (sub, comm)
+  first.bcast_obj("first", root=0)
+  second.bcast_obj("second", root=0)
+
 
 if __name__ == "__main__":
   comm = mnjax.create_communicator("flat")
@@ -110,6 +120,7 @@ if __name__ == "__main__":
            "peer_stalls": peer_stalls, "allreduce_peer_stalls": allreduce_peer_stalls,
            "wire_peer_finished": wire_peer_finished, "bcast_peer_stalls": bcast_peer_stalls,
            "step_meets_host_round": step_meets_host_round,
-           "recv_meets_host_round": recv_meets_host_round}
+           "recv_meets_host_round": recv_meets_host_round,
+           "host_rounds_in_another_order": host_rounds_in_another_order}
   cases[sys.argv[1]](comm)
   print(f"rank {comm.rank}: returned normally", flush=True)

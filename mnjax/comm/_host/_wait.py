@@ -1,6 +1,6 @@
 """The departure-aware wait of every host round: a peer that finished is named, not waited for,
-and one that waits for this rank in a step's exchange is named at once (the two can never
-meet)."""
+and one that waits for this rank in a step's exchange, or in a host round of another
+communicator, is named within seconds (the two can never meet)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
          timeout: float | None = None, timeout_message: str = "") -> None:
   """Completes `request` (anything with ``Test()``); raises `RuntimeError` naming a rank of
   `peers` (default: any) that finished its program or that waits for this rank in a step's
-  exchange (`native.HostWait`), and past `timeout`, `TimeoutError`.
+  exchange or in a host round of another communicator (`native.HostWait`), and past
+  `timeout`, `TimeoutError`.
 
   Example:
     >>> wait(comm, comm.mpi_comm.Ibarrier(), "a barrier")
@@ -36,7 +37,8 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
 
   start = time.monotonic()
   gone_since = None
-  notice = native.HostWait(lambda: _world_peers(comm, peers), what)
+  notice = native.HostWait(lambda: _world_peers(comm, peers), what,
+                           scope=getattr(comm, "uid", 0))
   try:
     while not request.Test():
       now = time.monotonic()
@@ -67,15 +69,22 @@ def _world_peers(comm: Any, peers: Sequence[int] | None) -> list[int]:
           if r != comm.rank and (peers is None or r in peers)]
 
 
-def _never_meet(what: str, peer: int, theirs: str) -> None:
-  """Raises the error of a host round and a peer's in-step wait that need each other."""
+def _never_meet(what: str, peer: int, theirs: str, in_step: bool) -> None:
+  """Raises the error of a host round and a peer's wait (in a step's exchange, or in a host
+  round of another communicator) that need each other."""
   me = MPI.COMM_WORLD.Get_rank()
-  message = (
-      f"world rank {me} waits in {what}, which needs world rank {peer}, while world rank"
-      f" {peer} waits for this rank in {theirs}: the two can never meet (one rank reached a"
-      " step's exchange, the other a host round of mnjax: the ranks run different programs)."
-      " Every rank must call mnjax's steps, collectives and checks in the same order: look"
-      " for a condition on the rank, a loop or a model that differs between ranks.")
+  if in_step:
+    why = ("one rank reached a step's exchange, the other a host round of mnjax: the ranks"
+           " run different programs). Every rank must call mnjax's steps, collectives and"
+           " checks in the same order: look for a condition on the rank, a loop or a model"
+           " that differs between ranks.")
+  else:
+    why = ("host rounds of two communicators that share these ranks, entered in another"
+           " order on each: each waits for the other's round). Ranks that share two"
+           " communicators (e.g. the job's and comm.split(...)) must call their collectives"
+           " in one order on every rank: look for a condition on the rank that swaps them.")
+  message = (f"world rank {me} waits in {what}, which needs world rank {peer}, while world"
+             f" rank {peer} waits for this rank in {theirs}: the two can never meet ({why}")
   # Said now, as the peer (which names the same two waits at about the same time) does; then
   # a moment (on a loaded machine, seconds: kSayingPause in wait_notices.h) for the peer to
   # say it too before this error ends the job.

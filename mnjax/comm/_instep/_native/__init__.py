@@ -183,6 +183,7 @@ def register() -> None:
 #: Seconds a wait lasts before it tells the ranks it waits for (``kNoticeAfter`` in
 #: wait_notices.h): shorter waits send nothing.
 NOTICE_AFTER = 5.0
+_IN_STEP_WAIT = 1  # WaitKind kInStepWait (wait_notices.h)
 
 
 @functools.cache
@@ -193,34 +194,38 @@ def _notices() -> ctypes.CDLL | None:
   except (OSError, RuntimeError, ValueError):
     return None
   lib = _library()
-  lib.mnjax_wait_begin.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int64, ctypes.c_char_p]
+  lib.mnjax_wait_begin.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int64, ctypes.c_char_p,
+                                   ctypes.c_int64]
   lib.mnjax_wait_begin.restype = ctypes.c_int64
   lib.mnjax_wait_check.argtypes = [ctypes.c_int64, ctypes.c_double, ctypes.c_char_p,
-                                   ctypes.c_int64]
+                                   ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
   lib.mnjax_wait_check.restype = ctypes.c_int64
   lib.mnjax_wait_end.argtypes = [ctypes.c_int64]
   return lib
 
 
 class HostWait:
-  """A host round's wait as the in-step waits see it (wait_notices.h): once it has lasted
+  """A host round's wait as the other waits see it (wait_notices.h): once it has lasted
   `NOTICE_AFTER`, the ranks it waits for are told, and `check` finds a peer that waits for
-  this rank in a step's exchange only (the two can never meet).
+  this rank only where this wait can never meet it: in a step's exchange, or in a host round
+  of another communicator (`scope`: the communicator's ``uid``; 0 when unknown).
 
   `peers` gives the world ranks it waits for, asked once the wait is long.
 
   Example:
-    >>> wait = HostWait(lambda: [], "a barrier")
+    >>> wait = HostWait(lambda: [], "a barrier", scope=7)
     >>> wait.check(0.0) is None
     True
     >>> wait.end()
   """
 
-  def __init__(self, peers: Callable[[], list[int]], what: str):
+  def __init__(self, peers: Callable[[], list[int]], what: str, scope: int = 0):
     self._peers, self._what, self._id = peers, what, 0
+    self._scope = int(scope) & 0x7FFF_FFFF_FFFF_FFFF  # a uid, as an int64 that is never < 0
 
-  def check(self, waited: float) -> tuple[int, str] | None:
-    """``(world rank, what it waits in)`` of a peer this wait can never meet, else None."""
+  def check(self, waited: float) -> tuple[int, str, bool] | None:
+    """``(world rank, what it waits in, whether that is a step's exchange)`` of a peer this
+    wait can never meet, else None."""
     if waited < NOTICE_AFTER:
       return None
     lib = _notices()
@@ -229,10 +234,12 @@ class HostWait:
     if self._id == 0:
       peers = self._peers()
       self._id = lib.mnjax_wait_begin((ctypes.c_int * len(peers))(*peers), len(peers),
-                                      self._what.encode()[:100])
-    theirs = ctypes.create_string_buffer(128)
-    peer = lib.mnjax_wait_check(self._id, waited, theirs, len(theirs))
-    return None if peer < 0 else (int(peer), theirs.value.decode(errors="replace"))
+                                      self._what.encode()[:92], self._scope)
+    theirs, kind = ctypes.create_string_buffer(128), ctypes.c_int64(0)
+    peer = lib.mnjax_wait_check(self._id, waited, theirs, len(theirs), ctypes.byref(kind))
+    if peer < 0:
+      return None
+    return int(peer), theirs.value.decode(errors="replace"), kind.value == _IN_STEP_WAIT
 
   def end(self) -> None:
     """Tells the peers this wait ended (if they were told it began)."""

@@ -820,13 +820,17 @@ extern "C" void mnjax_configure_waits(double limit_s, int64_t tag, int64_t notic
   notice_tag.store(static_cast<int>(notices), std::memory_order_relaxed);
 }
 // For Python's host waits (mnjax.comm._host._wait): begin, check and end a wait.
-extern "C" int64_t mnjax_wait_begin(const int* peers, int64_t n, const char* what) {
-  return BeginWait(kHostWait, std::vector<int>(peers, peers + n), what);
+extern "C" int64_t mnjax_wait_begin(const int* peers, int64_t n, const char* what,
+                                    int64_t scope) {
+  return BeginWait(kHostWait, scope, std::vector<int>(peers, peers + n), what);
 }
 
-extern "C" int64_t mnjax_wait_check(int64_t id, double waited, char* theirs, int64_t size) {
+// The peer whose waits can never meet this host wait's (-1: none yet); what it waits in and
+// its kind (1: a step's exchange, 2: a host round of another communicator) are written out.
+extern "C" int64_t mnjax_wait_check(int64_t id, double waited, char* theirs, int64_t size,
+                                    int64_t* their_kind) {
   std::string ours, found;
-  int peer = CheckWait(id, waited, &ours, &found);
+  int peer = CheckWait(id, waited, &ours, &found, their_kind);
   if (peer >= 0 && size > 0) std::snprintf(theirs, static_cast<size_t>(size), "%s", found.c_str());
   return peer;
 }

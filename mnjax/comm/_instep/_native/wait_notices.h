@@ -1,14 +1,20 @@
 // Wait notices: two ranks that wait for each other in operations that can never meet.
 //
 // A rank blocked in an in-step exchange (XLA waits on it) and a peer blocked in a host round
-// (a Python wait of mnjax.comm) that each need the other can only end at the wait bound
-// (MNJAX_WAIT_TIMEOUT, minutes). Instead, every wait that lasts past kNoticeAfter tells the
-// ranks it waits for: one 128-byte notice on MPI_COMM_WORLD (tag `notice_tag`), and one more
-// when it ends. A rank whose waits are all of one kind, waiting for a peer whose notices (all
-// older than kNoticeGrace) are all of the other kind, knows that neither can go on: it names
-// both waits and ends the job (the peer, seeing the same, names them too). A peer that waits
-// in both kinds (its Python in a host round while XLA waits on its step) may be in the very
-// round this rank waits in: no conclusion.
+// (a Python wait of mnjax.comm) that each need the other, or two ranks blocked in host rounds
+// of two communicators that share them (each rank entered the two in another order), can only
+// end at the wait bound (MNJAX_WAIT_TIMEOUT, minutes). Instead, every wait that lasts past
+// kNoticeAfter tells the ranks it waits for: one 128-byte notice on MPI_COMM_WORLD (tag
+// `notice_tag`), and one more when it ends. A host wait's notice carries its communicator's
+// `uid` (its scope; 0: unknown). Two waits may be one and the same operation when they are of
+// one kind and, for host rounds, of one communicator (or one scope is unknown). A rank none of
+// whose waits may be the same operation as any wait of a peer it waits for, whose notices are
+// all older than kNoticeGrace, knows that neither can go on: it names both waits and ends the
+// job (the peer, seeing the same, names them too). A peer that waits in both kinds (its
+// Python in a host round while XLA waits on its step) may be in the very round this rank
+// waits in: no conclusion. The host rounds of one process are taken to run one at a time (its
+// Python thread blocks in each): a process that runs host rounds of two communicators from
+// two threads at once may be taken for one that entered them in another order.
 //
 // This process's own notices are drained here only (Python reads them through
 // `mnjax_wait_*` in mpi_collectives.cc), under one mutex; the notices need MPI_THREAD_MULTIPLE
@@ -41,19 +47,19 @@ constexpr int kSayingPause = 3;       // seconds a rank that names a mismatch wa
 enum WaitKind : int64_t { kEnded = 0, kInStepWait = 1, kHostWait = 2 };
 
 struct Notice {  // on the wire
-  int64_t world_rank, id, kind;
-  char what[104];  // what the sender waits in, nul-terminated
+  int64_t world_rank, id, kind, scope;
+  char what[96];  // what the sender waits in, nul-terminated
 };
 static_assert(sizeof(Notice) == 128, "a notice is 128 bytes");
 
 struct Heard {
-  int64_t kind;
+  int64_t kind, scope;
   std::string what;
   std::chrono::steady_clock::time_point since;
 };
 
 struct Mine {
-  int64_t kind;
+  int64_t kind, scope;
   std::vector<int> peers;  // world ranks this wait needs
   std::string what;
   bool told = false;
@@ -74,9 +80,10 @@ inline int MyWorldRank() {
 
 inline bool NoticesOn() { return notice_tag.load(std::memory_order_relaxed) >= 0 && ThreadMultiple(); }
 
-// Sends notice (id, kind) of this rank to `peers` (under notice_mutex). 128 bytes each:
+// Sends notice (id, kind, scope) of this rank to `peers` (under notice_mutex). 128 bytes each:
 // complete locally at once (eager); their buffers are freed once MPI is done with them.
-inline void Tell(const std::vector<int>& peers, int64_t id, int64_t kind, const std::string& what) {
+inline void Tell(const std::vector<int>& peers, int64_t id, int64_t kind, int64_t scope,
+                 const std::string& what) {
   for (auto it = outgoing.begin(); it != outgoing.end();) {
     int done = 0;
     MPI_Test(&it->first, &done, MPI_STATUS_IGNORE);
@@ -87,6 +94,7 @@ inline void Tell(const std::vector<int>& peers, int64_t id, int64_t kind, const 
     notice->world_rank = MyWorldRank();
     notice->id = id;
     notice->kind = kind;
+    notice->scope = scope;
     std::snprintf(notice->what, sizeof(notice->what), "%s", what.c_str());
     MPI_Request request;
     MPI_Isend(notice.get(), sizeof(Notice), MPI_BYTE, peer, notice_tag.load(), MPI_COMM_WORLD,
@@ -111,17 +119,19 @@ inline void Drain() {
     if (notice.kind == kEnded) {
       waits.erase(notice.id);
     } else {
-      waits[notice.id] = Heard{notice.kind, notice.what, std::chrono::steady_clock::now()};
+      waits[notice.id] =
+          Heard{notice.kind, notice.scope, notice.what, std::chrono::steady_clock::now()};
     }
   }
 }
 
-// Registers a wait of this rank for `peers` (world ranks); 0 when notices are off.
-inline int64_t BeginWait(int64_t kind, std::vector<int> peers, std::string what) {
+// Registers a wait of this rank for `peers` (world ranks) in `scope` (a host round's
+// communicator uid; 0: unknown, or an in-step wait); 0 when notices are off.
+inline int64_t BeginWait(int64_t kind, int64_t scope, std::vector<int> peers, std::string what) {
   if (!NoticesOn()) return 0;
   std::lock_guard<std::mutex> lock(notice_mutex);
   int64_t id = next_wait_id++;
-  mine[id] = Mine{kind, std::move(peers), std::move(what)};
+  mine[id] = Mine{kind, scope, std::move(peers), std::move(what)};
   return id;
 }
 
@@ -130,38 +140,44 @@ inline void EndWait(int64_t id) {
   std::lock_guard<std::mutex> lock(notice_mutex);
   auto it = mine.find(id);
   if (it == mine.end()) return;
-  if (it->second.told) Tell(it->second.peers, id, kEnded, "");
+  if (it->second.told) Tell(it->second.peers, id, kEnded, 0, "");
   mine.erase(it);
 }
 
+// Whether a wait of this rank and a peer's may be one and the same operation.
+inline bool MayMeet(int64_t kind, int64_t scope, const Heard& theirs) {
+  if (kind != theirs.kind) return false;
+  return kind != kHostWait || scope == 0 || theirs.scope == 0 || scope == theirs.scope;
+}
+
 // For wait `id`, `waited` seconds long: tells its peers once it is long, and returns the world
-// rank of a peer it waits for that waits for this rank in the other kind only (what the two
-// wait in: `*ours`, `*theirs`), else -1.
-inline int CheckWait(int64_t id, double waited, std::string* ours, std::string* theirs) {
+// rank of a peer it waits for none of whose waits may meet any of this rank's (what the two
+// wait in: `*ours`, `*theirs`; the peer's kind: `*their_kind`), else -1.
+inline int CheckWait(int64_t id, double waited, std::string* ours, std::string* theirs,
+                     int64_t* their_kind) {
   if (id == 0 || waited < kNoticeAfter) return -1;
   std::lock_guard<std::mutex> lock(notice_mutex);
   auto it = mine.find(id);
   if (it == mine.end()) return -1;
   if (!it->second.told) {
     it->second.told = true;
-    Tell(it->second.peers, id, it->second.kind, it->second.what);
+    Tell(it->second.peers, id, it->second.kind, it->second.scope, it->second.what);
   }
   Drain();
-  int64_t my_kinds = 0;
-  for (const auto& [_, wait] : mine) my_kinds |= wait.kind;
   auto now = std::chrono::steady_clock::now();
   for (int peer : it->second.peers) {
     auto found = heard.find(peer);
     if (found == heard.end() || found->second.empty()) continue;
-    int64_t their_kinds = 0;
-    bool settled = true;
+    bool settled = true, may_meet = false;
     for (const auto& [_, wait] : found->second) {
-      their_kinds |= wait.kind;
       settled = settled && std::chrono::duration<double>(now - wait.since).count() > kNoticeGrace;
+      for (const auto& [__, own] : mine) may_meet = may_meet || MayMeet(own.kind, own.scope, wait);
     }
-    if (settled && (their_kinds & my_kinds) == 0) {
+    if (settled && !may_meet) {
+      const Heard& first = found->second.begin()->second;
       *ours = it->second.what;
-      *theirs = found->second.begin()->second.what;
+      *theirs = first.what;
+      *their_kind = first.kind;
       return peer;
     }
   }
@@ -205,9 +221,10 @@ template <typename Describe, typename Peers>
 inline void WatchInStepWait(int64_t* id, double waited, MPI_Comm c, Describe describe,
                             Peers peers) {
   if (waited < kNoticeAfter || !NoticesOn()) return;
-  if (*id == 0) *id = BeginWait(kInStepWait, peers(), describe());
+  if (*id == 0) *id = BeginWait(kInStepWait, 0, peers(), describe());
   std::string ours, theirs;
-  int peer = CheckWait(*id, waited, &ours, &theirs);
+  int64_t their_kind = 0;
+  int peer = CheckWait(*id, waited, &ours, &theirs, &their_kind);
   if (peer >= 0) AbortMismatch(c, ours, peer, theirs);
 }
 
