@@ -67,14 +67,22 @@ def test_the_classifier_tells_the_outcomes_apart():
     ("host_rounds_in_another_order", "300", tuple(
         f"world rank {me} waits in bcast_obj's check of the root and its object, which needs"
         f" world rank {1 - me}, while world rank {1 - me} waits for this rank in bcast_obj's"
-        " check of the root and its object: the two can never meet (host rounds of two"
-        " communicators that share these ranks" for me in (0, 1))),
+        " check of the root and its object: the two can never meet (two host operations"
+        " that cannot be one" for me in (0, 1))),
+    ("host_send_meets_recv_of_another_tag", "300", (
+        "world rank 0 waits in send_obj (to rank 1, tag 1, waiting for its receive), which"
+        " needs world rank 1, while world rank 1 waits for this rank in recv_obj (from rank 0,"
+        " tag 2): the two can never meet",
+        "world rank 1 waits in recv_obj (from rank 0, tag 2), which needs world rank 0, while"
+        " world rank 0 waits for this rank in send_obj (to rank 1, tag 1, waiting for its"
+        " receive): the two can never meet")),
 ])
 def test_an_in_step_wait_that_cannot_complete_ends_the_job_naming_the_peer(case, limit, says):
   """Every in-step wait polls: a peer that exited ends it after a 2 s grace, one that stays
-  silent after MNJAX_WAIT_TIMEOUT, and one that waits for this rank in a host round (or, for
-  a host round, in one of another communicator) after about 10 s (the wait notices), with no
-  watchdog (tests/support/instep_waits.py)."""
+  silent after MNJAX_WAIT_TIMEOUT, and one that waits for this rank where the wait can never
+  meet it (a step against a host round; host operations of two communicators, or of a
+  message's two ends with other tags) after about 10 s (the wait notices), with no watchdog
+  (tests/support/instep_waits.py)."""
   start = time.monotonic()
   result = run_mpi(2, ["tests/support/instep_waits.py", case], timeout=60,
                    env={"MNJAX_WAIT_TIMEOUT": limit})

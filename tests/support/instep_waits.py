@@ -20,7 +20,9 @@ end the job naming the ranks, not hang. No watchdog runs: the waits themselves e
 - ``host_rounds_in_another_order``: two communicators over the same ranks (the job's and
   ``comm.split(0)``), whose host rounds (`bcast_obj`) rank 0 enters in one order and rank 1
   in the other: each waits in one for the other, named within seconds (the wait notices carry
-  the communicator's uid).
+  the communicator's uid);
+- ``host_send_meets_recv_of_another_tag``: rank 0 sends an object with tag 1 while rank 1
+  waits for one with tag 2 (the notices of a message's two ends name the ranks and the tag).
 """
 
 import sys
@@ -114,6 +116,13 @@ def host_rounds_in_another_order(comm) -> None:
   second.bcast_obj("second", root=0)
 
 
+def host_send_meets_recv_of_another_tag(comm) -> None:
+  if comm.rank == 0:
+    comm.send_obj("x", dest=1, tag=1)
+  else:
+    comm.recv_obj(source=0, tag=2)
+
+
 if __name__ == "__main__":
   comm = mnjax.create_communicator("flat")
   cases = {"peer_finished": peer_finished, "allreduce_peer_finished": allreduce_peer_finished,
@@ -121,6 +130,7 @@ if __name__ == "__main__":
            "wire_peer_finished": wire_peer_finished, "bcast_peer_stalls": bcast_peer_stalls,
            "step_meets_host_round": step_meets_host_round,
            "recv_meets_host_round": recv_meets_host_round,
-           "host_rounds_in_another_order": host_rounds_in_another_order}
+           "host_rounds_in_another_order": host_rounds_in_another_order,
+           "host_send_meets_recv_of_another_tag": host_send_meets_recv_of_another_tag}
   cases[sys.argv[1]](comm)
   print(f"rank {comm.rank}: returned normally", flush=True)

@@ -101,7 +101,7 @@ def send_message(comm: Any, kind: str, meta: Any, payload: np.ndarray, dest: int
   header = comm.mpi_comm.issend((kind, meta, int(payload.size), limit), dest=dest, tag=tag)
   limit_s = native.wait_timeout()
   wait(comm, header, f"{what} (to rank {dest}, tag {tag}, waiting for its receive)",
-       peers=[dest], timeout=limit_s, timeout_message=(
+       peers=[dest], message=(comm.rank, dest, tag), timeout=limit_s, timeout_message=(
            f"{what}: rank {comm.rank} waited {limit_s:.0f} s for rank {dest} to receive its"
            f" message (tag {tag}), and rank {dest} took none. Make every send meet a recv"
            f" on the destination with the same tag (recv_obj's default takes any tag), or"
@@ -137,7 +137,8 @@ def recv_message(comm: Any, source: int, tag: int, what: str
   limit_s = native.wait_timeout()
   try:
     wait(comm, probe, f"{what} (from rank {source}, {shown})", peers=[source],
-         timeout=limit_s, timeout_message=f"{what}: rank {comm.rank} waited {limit_s:.0f} s")
+         message=(source, comm.rank, -1 if tag == MPI.ANY_TAG else tag), timeout=limit_s,
+         timeout_message=f"{what}: rank {comm.rank} waited {limit_s:.0f} s")
   except TimeoutError:
     other = MPI.Status()
     pending = comm.mpi_comm.iprobe(source=source, tag=MPI.ANY_TAG, status=other)

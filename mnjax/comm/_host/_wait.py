@@ -4,6 +4,7 @@ communicator, is named within seconds (the two can never meet)."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from collections.abc import Sequence
@@ -22,11 +23,16 @@ DEPARTURE_GRACE = 2.0
 
 
 def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = None,
-         timeout: float | None = None, timeout_message: str = "") -> None:
+         message: tuple[int, int, int] | None = None, timeout: float | None = None,
+         timeout_message: str = "") -> None:
   """Completes `request` (anything with ``Test()``); raises `RuntimeError` naming a rank of
-  `peers` (default: any) that finished its program or that waits for this rank in a step's
-  exchange or in a host round of another communicator (`native.HostWait`), and past
-  `timeout`, `TimeoutError`.
+  `peers` (default: any) that finished its program or that waits for this rank where this
+  wait can never meet it (`native.HostWait`): in a step's exchange, in a host round of
+  another communicator, in a collective while this rank sends it a message, or for a message
+  of another tag. Past `timeout`, `TimeoutError`.
+
+  `message` is ``(source, dest, tag)`` for a point-to-point message's wait (ranks of `comm`;
+  a negative tag: any tag), None for a round of every rank of `comm`.
 
   Example:
     >>> wait(comm, comm.mpi_comm.Ibarrier(), "a barrier")
@@ -38,7 +44,7 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
   start = time.monotonic()
   gone_since = None
   notice = native.HostWait(lambda: _world_peers(comm, peers), what,
-                           scope=getattr(comm, "uid", 0))
+                           scope=_scope(getattr(comm, "uid", 0), message))
   try:
     while not request.Test():
       now = time.monotonic()
@@ -62,6 +68,18 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
     notice.end()
 
 
+def _scope(uid: int, message: tuple[int, int, int] | None) -> int:
+  """What this wait's notices name as its operation: the communicator's `uid` for its rounds;
+  for a message, a number both ends compute alike from the uid, the two ranks and the tag
+  (0, unknown, for a receive of any tag or a communicator without a uid)."""
+  if not uid or message is None:
+    return int(uid)
+  if message[2] < 0:
+    return 0
+  text = repr((int(uid), *(int(x) for x in message))).encode()
+  return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1
+
+
 def _world_peers(comm: Any, peers: Sequence[int] | None) -> list[int]:
   """The world ranks of `peers` of `comm` (default: every other rank) that its MPI
   communicator holds (a communicator emulated for compiling, `lab.aot`, holds fewer)."""
@@ -79,10 +97,12 @@ def _never_meet(what: str, peer: int, theirs: str, in_step: bool) -> None:
            " checks in the same order: look for a condition on the rank, a loop or a model"
            " that differs between ranks.")
   else:
-    why = ("host rounds of two communicators that share these ranks, entered in another"
-           " order on each: each waits for the other's round). Ranks that share two"
-           " communicators (e.g. the job's and comm.split(...)) must call their collectives"
-           " in one order on every rank: look for a condition on the rank that swaps them.")
+    why = ("two host operations that cannot be one: the rounds of two communicators that"
+           " share these ranks, a message and a collective, or a send and a recv of other"
+           " tags, each rank blocked in the one the other is not in). Ranks must enter their"
+           " host operations in one order (the job's communicator and comm.split(...)'s"
+           " alike), each send meeting a recv of its tag: look for a condition on the rank"
+           " that swaps or skips one.")
   message = (f"world rank {me} waits in {what}, which needs world rank {peer}, while world"
              f" rank {peer} waits for this rank in {theirs}: the two can never meet ({why}")
   # Said now, as the peer (which names the same two waits at about the same time) does; then
