@@ -46,8 +46,9 @@ section records its error and the run goes on). Sections (keys of the JSON):
   share one GPU also share its compute: this measures sharing, not scaling).
 * ``allreduce_sweep``: `lab.bench.allreduce` up to 128 MB (smoke: 1 MB): seconds per call
   of each method (the slowest rank's median), the short table's bus bandwidth
-  2 (p-1)/p x bytes / time, and its ResNet-50 table (161 leaves) unless ``--smoke`` or
-  ``--no_allreduce_resnet50``. JAX's psum needs NCCL, so it is skipped where ranks share a GPU.
+  2 (p-1)/p x bytes / time, and its ResNet-50 table (161 leaves; ``--smoke``: at a
+  thousandth of the sizes) unless ``--no_allreduce_resnet50``.
+  JAX's psum needs NCCL, so it is skipped where ranks share a GPU.
 * ``sync_bn_share``: 1 - t(per-rank nn.BatchNorm) / t(SyncBatchNorm), both with
   allreduce_gradients at N ranks: the share of the step SyncBatchNorm's collectives take.
 """
@@ -224,21 +225,26 @@ def _resnet(args, layout: dict, clock: _Clock) -> tuple[dict, dict]:
 
 
 def _allreduce(args, layout: dict, clock: _Clock) -> dict:
-  """`lab.bench.allreduce`'s sweep, then (time allowing) its ResNet-50 table."""
+  """`lab.bench.allreduce`'s sweep, then (time allowing) its ResNet-50 table; in a smoke run
+  one launch gives both, the table at a thousandth of ResNet-50's sizes (the allreduce
+  benchmark's smoke test: `tests/jobs/test_bench.py`)."""
   from lab.bench import allreduce
 
   common = [f"--ranks={args.ranks}", f"--bind={layout['bind']}", "--share_devices",
             *SIZES["smoke" if args.smoke else "full"]["allreduce"]]
   psum = [] if not layout["shared_gpu"] else ["--no_psum"]
+  table = ["--resnet50_fraction=0.001"] if args.smoke else ["--no_resnet50"]
   sweep = clock.run("allreduce_sweep", lambda timeout: allreduce.measure(
-      [*common, *psum, "--no_resnet50"], timeout=timeout))
+      [*common, *psum, *table], timeout=timeout))
   if "error" in sweep:
     return sweep
   result = {"launch": sweep["launch"], "sweep": sweep["mpi"]["sweep"],
             "psum": sweep["psum"]["sweep"] if "psum" in sweep
             else "skipped: NCCL needs one GPU per rank"}
-  if args.smoke or args.no_allreduce_resnet50:
-    result["resnet50"] = "skipped (--smoke or --no_allreduce_resnet50)"
+  if args.smoke:
+    result["resnet50"] = sweep["mpi"]["resnet50"]
+  elif args.no_allreduce_resnet50:
+    result["resnet50"] = "skipped (--no_allreduce_resnet50)"
   else:
     result["resnet50"] = clock.run("allreduce_resnet50", lambda timeout: allreduce.measure(
         [*common, "--max_bytes=0", "--no_psum"], timeout=timeout)["mpi"]["resnet50"])

@@ -15,9 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from mnjax.comm._communicator import Communicator, check_communicator
 from mnjax.comm._instep import _sequence as sequence
+from mnjax.guard import _program as program
 from mnjax.train import _step_checks as checks
 
-__all__ = ["data_parallel"]
+__all__ = ["data_parallel", "replica_index"]
 
 def data_parallel(
     fn: Callable[..., Any],
@@ -122,6 +123,34 @@ def data_parallel(
     return run(*args)
 
   return step
+
+
+def replica_index(comm: Communicator) -> jax.Array:
+  """This replica's index among the job's ``comm.num_replicas``, inside a `data_parallel` step.
+
+  ``comm.rank * comm.local_device_count`` plus the local device's index (under ``xla``, the
+  device's index in the job's mesh): the order in which the global batch is dealt. Under the
+  MPI kinds ``lax.axis_index(comm.axis_name)`` counts this process's devices only, so a pmap
+  script's ``fold_in(key, lax.axis_index(...))`` gives every process the same dropout masks;
+  fold in this index instead. An int32 scalar (the program check takes its value as
+  rank-dependent on purpose).
+
+  Example:
+    >>> def step(key):
+    ...   index = mnjax.train.replica_index(comm)
+    ...   return jax.random.fold_in(key, index), index
+    >>> keys, index = mnjax.data_parallel(step, comm, batch_argnums=(), per_device_outputs=(0, 1))(
+    ...     jax.random.key(0))
+    >>> index.tolist() == [comm.rank * comm.local_device_count + i
+    ...                    for i in range(comm.local_device_count)]
+    True
+  """
+  check_communicator(comm, "replica_index")
+  if comm.kind == "xla":
+    return jax.lax.axis_index(comm.axis_name)
+  with program.rank_dependent():  # a constant per rank, made an operation of the program
+    first = jax.lax.optimization_barrier(np.int32(comm.rank * comm.local_device_count))
+  return first + jax.lax.axis_index(comm.axis_name) if comm.multi_device else first
 
 
 def _positions(value: Any, name: str, what: str) -> tuple[int, ...]:

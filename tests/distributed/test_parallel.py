@@ -103,3 +103,24 @@ def test_get_metrics_reads_the_global_mean_of_a_metric_reduced_in_the_step(kind)
   np.testing.assert_allclose(own["loss"], want_device0, rtol=1e-6)
   if kc.num_replicas > 1:  # device 0's own value is not the batch's
     assert not np.allclose(own["loss"], want_global, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_replica_index_numbers_every_replica_of_the_job_once(kind):
+  """`mnjax.train.replica_index` inside the step is ``rank * local devices + the local
+  device's``, so dropout keys folded from it differ on every replica of the job (where
+  ``lax.axis_index`` repeats on every process), with one program on every rank."""
+  import jax
+
+  kc = mnjax.create_communicator(kind)
+  n = kc.local_device_count
+
+  def step(key):
+    index = mnjax.train.replica_index(kc)
+    return jax.random.bits(jax.random.fold_in(key, index), (4,)), index
+
+  bits, index = mnjax.data_parallel(step, kc, batch_argnums=(), per_device_outputs=(0, 1))(
+      jax.random.key(0))
+  assert index.dtype == jnp.int32 and index.tolist() == [kc.rank * n + i for i in range(n)]
+  rows = np.asarray(kc.allgather(np.asarray(bits))).reshape(-1, 4)  # every replica's bits
+  assert len(rows) == kc.num_replicas and len({tuple(r) for r in rows}) == kc.num_replicas

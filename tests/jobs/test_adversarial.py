@@ -90,3 +90,18 @@ def test_an_in_step_wait_that_cannot_complete_ends_the_job_naming_the_peer(case,
     assert result.returncode != 0 and line in result.stdout, result.stdout[-4000:]
   assert "rank 0: returned normally" not in result.stdout
   assert time.monotonic() - start < 30, result.stdout[-4000:]
+
+
+def test_a_rank_stuck_in_its_own_code_is_named_at_the_bound_by_every_waiting_rank():
+  """A host round's wait is bounded by default (``MNJAX_WAIT_TIMEOUT``); at the bound each
+  waiting rank names the ranks waiting with it and the one that never came (alive: in its own
+  code), from the wait notices (tests/support/instep_waits.py, ``stuck_in_own_code``)."""
+  start = time.monotonic()
+  result = run_mpi(3, ["tests/support/instep_waits.py", "stuck_in_own_code"], timeout=60,
+                   env={"MNJAX_WAIT_TIMEOUT": "12"})
+  assert result.returncode != 0 and time.monotonic() - start < 30, result.stdout[-4000:]
+  for me in (0, 1):
+    for line in (f"world rank {me} waited 12 s in bcast_obj's check of the root and its object",
+                 f"Waiting in it too: world rank {1 - me}; not in it: world rank 2, alive"):
+      assert line in result.stdout, result.stdout[-4000:]
+  assert "returned normally" not in result.stdout

@@ -90,20 +90,6 @@ def test_kinds_benchmark_smoke(tmp_path):
   assert all(v > 0 for group in data.values() for v in group["step_ms"].values())
 
 
-def test_allreduce_benchmark_smoke(tmp_path):
-  """Every MPI method and the ResNet-50 table (its psum launch runs in the GPU check's smoke
-  run, `test_gpu_check_smoke`)."""
-  stdout, data = run_bench(
-      "allreduce", ["--max_bytes", "1024", "--rounds", "1", "--seconds", "0.001",
-                    "--resnet50_fraction", "0.001", "--no_psum"], tmp_path)
-  sweep = data["mpi"]["sweep"]
-  assert [row["bytes"] for row in sweep] == [4, 64, 1024]
-  assert all(set(row["seconds"]) == set(SWEEP) for row in sweep)
-  assert "psum" not in data
-  assert len(data["mpi"]["resnet50"]) == 15 and all(v > 0 for v in data["mpi"]["resnet50"].values())
-  assert "ResNet-50 gradient (161 leaves" in stdout
-
-
 def test_checks_benchmark_smoke(tmp_path):
   stdout, data = run_bench("checks", ["--rounds", "1", "--steps", "2"], tmp_path)
   assert data["ranks"] == 2
@@ -129,7 +115,9 @@ def test_gpu_check_smoke(tmp_path):
   """The prepared GPU check, at smoke size on the CPU: every section, and its deterministic
   checks pass (each kind's averaged gradient matches flat's and the float64 reference, and
   every rank compiles the same MPI call sequence). Its ResNet section runs the ResNet
-  benchmark (`lab.bench.resnet`) at 1 and 2 ranks: that benchmark's smoke test."""
+  benchmark (`lab.bench.resnet`) at 1 and 2 ranks, and its allreduce section the allreduce
+  benchmark (`lab.bench.allreduce`: every MPI method, JAX's psum, the ResNet-50 table at a
+  thousandth of its sizes): those benchmarks' smoke tests."""
   stdout, data = run_bench("gpu", ["--smoke"], tmp_path)
   assert data["failures"] == []
   for section in SECTIONS:
@@ -153,7 +141,10 @@ def test_gpu_check_smoke(tmp_path):
   assert all(resnet[key] > 0 for key in ("overhead_size1", "weak_scaling_efficiency",
                                          "double_buffering_efficiency"))
   assert set(data["sync_bn_share"]["seconds_per_step"]) == {"sync_bn", "local_bn"}
-  assert [row["bytes"] for row in data["allreduce_sweep"]["sweep"]][-1] == 1 << 20
+  sweep = data["allreduce_sweep"]
+  assert [row["bytes"] for row in sweep["sweep"]][-1] == 1 << 20
+  assert all(set(row["seconds"]) == set(SWEEP) for row in sweep["sweep"])
+  assert len(sweep["resnet50"]) == 15 and all(v > 0 for v in sweep["resnet50"].values())
   # lab.bench.allreduce's psum launch (jax.distributed + gloo), the same sizes as MPI's.
   assert ([row["bytes"] for row in data["allreduce_sweep"]["psum"]]
           == [row["bytes"] for row in data["allreduce_sweep"]["sweep"]])

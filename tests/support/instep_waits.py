@@ -1,5 +1,6 @@
-"""Jobs whose waits can never complete (`python instep_waits.py CASE`, 2 ranks): each must
-end the job naming the ranks, not hang. No watchdog runs: the waits themselves end.
+"""Jobs whose waits can never complete (`python instep_waits.py CASE`, 2 ranks or, for
+``stuck_in_own_code``, 3): each must end the job naming the ranks, not hang. No watchdog
+runs: the waits themselves end.
 
 - ``peer_finished``: rank 1 runs one step fewer of a send/recv loop and exits normally while
   rank 0 waits in its recv;
@@ -22,7 +23,10 @@ end the job naming the ranks, not hang. No watchdog runs: the waits themselves e
   in the other: each waits in one for the other, named within seconds (the wait notices carry
   the communicator's uid);
 - ``host_send_meets_recv_of_another_tag``: rank 0 sends an object with tag 1 while rank 1
-  waits for one with tag 2 (the notices of a message's two ends name the ranks and the tag).
+  waits for one with tag 2 (the notices of a message's two ends name the ranks and the tag);
+- ``stuck_in_own_code``: ranks 0 and 1 wait in a host round (`bcast_obj`) while rank 2, alive,
+  sleeps in its own code: at the bound (``MNJAX_WAIT_TIMEOUT``) each waiting rank names the
+  other as waiting too and rank 2 as not in the round.
 """
 
 import sys
@@ -123,6 +127,12 @@ def host_send_meets_recv_of_another_tag(comm) -> None:
     comm.recv_obj(source=0, tag=2)
 
 
+def stuck_in_own_code(comm) -> None:
+  if comm.rank == 2:
+    time.sleep(120)
+  comm.bcast_obj("hello", root=0)
+
+
 if __name__ == "__main__":
   comm = mnjax.create_communicator("flat")
   cases = {"peer_finished": peer_finished, "allreduce_peer_finished": allreduce_peer_finished,
@@ -131,6 +141,7 @@ if __name__ == "__main__":
            "step_meets_host_round": step_meets_host_round,
            "recv_meets_host_round": recv_meets_host_round,
            "host_rounds_in_another_order": host_rounds_in_another_order,
-           "host_send_meets_recv_of_another_tag": host_send_meets_recv_of_another_tag}
+           "host_send_meets_recv_of_another_tag": host_send_meets_recv_of_another_tag,
+           "stuck_in_own_code": stuck_in_own_code}
   cases[sys.argv[1]](comm)
   print(f"rank {comm.rank}: returned normally", flush=True)

@@ -73,4 +73,10 @@ if comm.local_device_count > 1:
     assert "keeps only the first device's copy" in str(error), error
   else:
     raise AssertionError("accumulate_gradients ran under xla with several local devices")
+# 4. replica_index: this process's devices hold replicas rank * local + i, the order in
+# which the batch is dealt (lax.axis_index over the job's mesh).
+index = mnjax.data_parallel(lambda: (mnjax.train.replica_index(comm),), comm, batch_argnums=(),
+                            per_device_outputs=(0,))()[0]
+n = comm.local_device_count
+assert index.tolist() == [comm.rank * n + i for i in range(n)], index
 print(f"XLA OK rank {comm.rank} worst relative difference {worst:.2e}", flush=True)

@@ -27,7 +27,8 @@ def gather_if_different(comm: Any, operation: str, value: Any, *,
                         timeout: float | None = None, timeout_message: str = "",
                         what: str = "a host collective") -> list[Any] | None:
   """None when every rank passed an equal `value` (by ``repr``) to the same `operation`, else
-  every rank's value. Different operations: `ValueError`; past `timeout`: `TimeoutError`.
+  every rank's value. Different operations: `ValueError`; past `timeout` (default
+  ``MNJAX_WAIT_TIMEOUT``): `TimeoutError`.
 
   Example:
     >>> gather_if_different(comm, "my_check", tree_signature({"w": np.zeros(3)})) is None

@@ -29,7 +29,9 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
   `peers` (default: any) that finished its program or that waits for this rank where this
   wait can never meet it (`native.HostWait`): in a step's exchange, in a host round of
   another communicator, in a collective while this rank sends it a message, or for a message
-  of another tag. Past `timeout`, `TimeoutError`.
+  of another tag. Past `timeout` (default ``MNJAX_WAIT_TIMEOUT``, 300 s), `TimeoutError`:
+  `timeout_message` (or one naming `what`), then the ranks it needs that wait in it too and
+  those that do not (alive, but somewhere else: their own code, or stuck).
 
   `message` is ``(source, dest, tag)`` for a point-to-point message's wait (ranks of `comm`;
   a negative tag: any tag), None for a round of every rank of `comm`.
@@ -41,6 +43,7 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
   def departed() -> list[int]:
     return [r for r in departures.departed(comm.mpi_comm) if peers is None or r in peers]
 
+  limit = native.wait_timeout() if timeout is None else timeout
   start = time.monotonic()
   gone_since = None
   notice = native.HostWait(lambda: _world_peers(comm, peers), what,
@@ -48,8 +51,8 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
   try:
     while not request.Test():
       now = time.monotonic()
-      if timeout is not None and now - start > timeout:
-        raise TimeoutError(timeout_message)
+      if now - start > limit:
+        raise TimeoutError(_timed_out(comm, what, limit, timeout_message, notice, peers))
       if gone_since is None and now - start > 0.05 and departed():
         gone_since = now
       if gone_since is not None and now - gone_since > DEPARTURE_GRACE:
@@ -66,6 +69,31 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
       time.sleep(1e-3 if now - start < 1.0 else 1e-2)
   finally:
     notice.end()
+
+
+def _timed_out(comm: Any, what: str, limit: float, message: str, notice: Any,
+               peers: Sequence[int] | None) -> str:
+  """A timed-out wait's message: `message` (or one of its own), then who is missing."""
+  me = MPI.COMM_WORLD.Get_rank()
+  text = message or (
+      f"world rank {me} waited {limit:.0f} s in {what}, and not every rank it needs came."
+      f" Every rank must reach mnjax's collectives and checks; raise"
+      f" {native.WAIT_TIMEOUT_ENV}=<seconds> if a rank is only slow.")
+  if not notice.told():  # notices off, or a bound shorter than a notice takes: nothing heard
+    return text
+  there = set(notice.alongside())
+  missing = [w for w in _world_peers(comm, peers) if w not in there]
+  if missing:
+    text += (f" Waiting in it too: {_world_list(sorted(there))}; not in it:"
+             f" {_world_list(missing)}, alive (none exited) but in its own code, stuck, or"
+             " waiting where this rank was not told (a step of another communicator).")
+  return text
+
+
+def _world_list(ranks: list[int]) -> str:
+  if not ranks:
+    return "no other rank"
+  return f"world rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _scope(uid: int, message: tuple[int, int, int] | None) -> int:

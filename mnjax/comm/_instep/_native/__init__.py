@@ -201,6 +201,9 @@ def _notices() -> ctypes.CDLL | None:
                                    ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
   lib.mnjax_wait_check.restype = ctypes.c_int64
   lib.mnjax_wait_end.argtypes = [ctypes.c_int64]
+  lib.mnjax_wait_alongside.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int),
+                                       ctypes.c_int64]
+  lib.mnjax_wait_alongside.restype = ctypes.c_int64
   return lib
 
 
@@ -240,6 +243,19 @@ class HostWait:
     if peer < 0:
       return None
     return int(peer), theirs.value.decode(errors="replace"), kind.value == _IN_STEP_WAIT
+
+  def told(self) -> bool:
+    """Whether this wait has told its peers (and so hears theirs): notices on, and it lasted
+    `NOTICE_AFTER`."""
+    return self._id != 0
+
+  def alongside(self) -> list[int]:
+    """The world ranks this wait needs that told of waiting in it too (after `check`)."""
+    if not self._id:
+      return []
+    out = (ctypes.c_int * 4096)()
+    n = _library().mnjax_wait_alongside(self._id, out, len(out))
+    return sorted(out[:min(n, len(out))])
 
   def end(self) -> None:
     """Tells the peers this wait ended (if they were told it began)."""

@@ -835,6 +835,13 @@ extern "C" int64_t mnjax_wait_check(int64_t id, double waited, char* theirs, int
   return peer;
 }
 
+// How many of wait `id`'s peers wait in it too (their world ranks: the first `size` in `out`).
+extern "C" int64_t mnjax_wait_alongside(int64_t id, int* out, int64_t size) {
+  std::vector<int> found = Alongside(id);
+  for (int64_t i = 0; i < size && i < static_cast<int64_t>(found.size()); ++i) out[i] = found[i];
+  return static_cast<int64_t>(found.size());
+}
+
 extern "C" void mnjax_wait_end(int64_t id) { EndWait(id); }
 
 // Takes in the notices left before MPI_Finalize (mnjax.comm._departures at exit).

@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -63,7 +64,23 @@ struct Mine {
   std::vector<int> peers;  // world ranks this wait needs
   std::string what;
   bool told = false;
+  std::set<int> alongside;  // peers heard waiting in what may be this operation (ever)
 };
+
+// Whether a wait of this rank and a peer's may be one and the same operation.
+inline bool MayMeet(int64_t kind, int64_t scope, const Heard& theirs) {
+  if (kind != theirs.kind) return false;
+  return kind != kHostWait || scope == 0 || theirs.scope == 0 || scope == theirs.scope;
+}
+
+// Notes `peer`'s wait `theirs` in every wait of this rank that needs it and that it may be.
+inline void NoteAlongside(std::map<int64_t, Mine>& waits, int peer, const Heard& theirs) {
+  for (auto& [_, own] : waits) {
+    for (int p : own.peers) {
+      if (p == peer && MayMeet(own.kind, own.scope, theirs)) own.alongside.insert(peer);
+    }
+  }
+}
 
 inline std::atomic<int> notice_tag{-1};
 inline std::mutex notice_mutex;
@@ -121,6 +138,7 @@ inline void Drain() {
     } else {
       waits[notice.id] =
           Heard{notice.kind, notice.scope, notice.what, std::chrono::steady_clock::now()};
+      NoteAlongside(mine, status.MPI_SOURCE, waits[notice.id]);
     }
   }
 }
@@ -131,7 +149,14 @@ inline int64_t BeginWait(int64_t kind, int64_t scope, std::vector<int> peers, st
   if (!NoticesOn()) return 0;
   std::lock_guard<std::mutex> lock(notice_mutex);
   int64_t id = next_wait_id++;
-  mine[id] = Mine{kind, scope, std::move(peers), std::move(what)};
+  Mine& own = mine[id] = Mine{kind, scope, std::move(peers), std::move(what)};
+  for (int peer : own.peers) {  // peers already waiting when this wait began
+    auto found = heard.find(peer);
+    if (found == heard.end()) continue;
+    for (const auto& [_, wait] : found->second) {
+      if (MayMeet(kind, scope, wait)) own.alongside.insert(peer);
+    }
+  }
   return id;
 }
 
@@ -142,12 +167,6 @@ inline void EndWait(int64_t id) {
   if (it == mine.end()) return;
   if (it->second.told) Tell(it->second.peers, id, kEnded, 0, "");
   mine.erase(it);
-}
-
-// Whether a wait of this rank and a peer's may be one and the same operation.
-inline bool MayMeet(int64_t kind, int64_t scope, const Heard& theirs) {
-  if (kind != theirs.kind) return false;
-  return kind != kHostWait || scope == 0 || theirs.scope == 0 || scope == theirs.scope;
 }
 
 // For wait `id`, `waited` seconds long: tells its peers once it is long, and returns the world
@@ -182,6 +201,18 @@ inline int CheckWait(int64_t id, double waited, std::string* ours, std::string* 
     }
   }
   return -1;
+}
+
+// The peers of wait `id` that told, while it lasted, of a wait that may be this very operation
+// (they wait in it too, or did until their own bound); the others never reached it, or are
+// somewhere this rank was not told of.
+inline std::vector<int> Alongside(int64_t id) {
+  if (id == 0) return {};
+  std::lock_guard<std::mutex> lock(notice_mutex);
+  Drain();
+  auto it = mine.find(id);
+  if (it == mine.end()) return {};
+  return std::vector<int>(it->second.alongside.begin(), it->second.alongside.end());
 }
 
 // The world ranks of `c` other than this rank's.
