@@ -80,7 +80,10 @@ def data_parallel(
     checks.check_step(closed, args, shapes, comm, collectives, agreed=agreed,
                       batch_argnums=batch_argnums, per_device_outputs=per_device_outputs,
                       check_program=check_program)
-    flat = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+    run = jaxpr_as_fun(closed)
+    if not comm.multi_device and checks.uses_axis(closed, comm):  # process_local, one device
+      run = jax.shard_map(run, mesh=comm.mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    flat = run(*jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
   if not comm.multi_device:

@@ -40,28 +40,36 @@ def process_local():
 
 
 def trace(fn: Callable[..., Any], args: tuple, comm: Communicator) -> tuple:
-  """``jax.make_jaxpr(fn, return_shape=True)(*args)``; under ``flat``, a pmap leftover refused."""
-  try:
-    return jax.make_jaxpr(fn, return_shape=True)(*args)
-  except NameError as error:
-    if repr(comm.axis_name) not in str(error) and comm.axis_name not in str(error):
-      raise
-    raise ValueError(
-        f"data_parallel: the step calls a collective over the axis {comm.axis_name!r} (e.g."
-        f" jax.lax.pmean(x, {comm.axis_name!r}) or flax BatchNorm(axis_name=...) left from a"
-        " pmap script), but the 'flat' kind runs one device per process, where no such axis"
-        " exists. Reduce across every device of every process with mnjax instead:"
-        " mnjax.comm.allreduce_tree(x, comm) (mean=True by default) inside the step,"
-        " mnjax.allreduce_gradients(comm) for gradients, mnjax.SyncBatchNorm(comm) for"
-        " BatchNorm, mnjax.mean_metrics(metrics, comm) for metrics after the step;"
-        " or drop the collective.") from error
+  """``jax.make_jaxpr(fn, return_shape=True)(*args)``; under ``flat`` with ``comm.axis_name``
+  bound to this process's one device (`check_local_collectives` refuses what uses it outside
+  `process_local`)."""
+  axis_env = [] if comm.multi_device else [(comm.axis_name, 1)]
+  return jax.make_jaxpr(fn, axis_env=axis_env, return_shape=True)(*args)
+
+
+def uses_axis(closed: Any, comm: Communicator) -> bool:
+  """Whether the traced step names ``comm.axis_name`` (under ``flat``: only inside
+  `process_local`, once `check_local_collectives` passed)."""
+  return bool(program.user_collectives(closed, comm.axis_name, allowed_scope="\0"))
 
 
 def check_local_collectives(closed: Any, comm: Communicator) -> None:
   """Refuses user collectives over ``comm.axis_name`` that would span this process only."""
-  if not comm.multi_device or comm.kind == "xla":
-    return  # flat: no axis (see `trace`); xla: the axis spans every device of the job
+  if comm.kind == "xla":
+    return  # the axis spans every device of the job
   found = program.user_collectives(closed, comm.axis_name, allowed_scope=PROCESS_LOCAL_SCOPE)
+  if found and not comm.multi_device:
+    raise ValueError(
+        f"data_parallel: the step calls {len(found)} collective(s) over {comm.axis_name!r}"
+        f" ({'; '.join(found[:3])}{'; ...' if len(found) > 3 else ''}; e.g."
+        f" jax.lax.pmean(x, {comm.axis_name!r}) or flax BatchNorm(axis_name=...) left from a"
+        " pmap script), but the 'flat' kind runs one device per process, so it would reduce"
+        " over this process's one device only. Reduce across every device of every process"
+        " with mnjax instead: mnjax.comm.allreduce_tree(x, comm) (mean=True by default)"
+        " inside the step, mnjax.allreduce_gradients(comm) for gradients,"
+        " mnjax.SyncBatchNorm(comm) for BatchNorm, mnjax.mean_metrics(metrics, comm) for"
+        " metrics after the step; drop the collective; or, if this process's device only is"
+        " meant, trace it inside `with mnjax.process_local():`.")
   if found:
     raise ValueError(
         f"data_parallel: the step calls {len(found)} collective(s) over {comm.axis_name!r}"

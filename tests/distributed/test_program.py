@@ -144,11 +144,19 @@ def test_a_retrace_on_one_rank_only_needs_no_round(comm):
   comm.mpi_comm.Barrier()
 
 
-def test_a_leftover_pmean_under_flat_is_refused_with_the_fix(comm):
+def test_a_leftover_pmean_under_flat_is_refused_with_the_fix_unless_marked_local(comm):
   step = mnjax.data_parallel(lambda x: jax.lax.pmean(x, comm.axis_name), comm,
                              batch_argnums=(0,))
-  with pytest.raises(ValueError, match=r"mnjax.comm.allreduce_tree\(x, comm\)"):
+  with pytest.raises(ValueError, match=r"mnjax.comm.allreduce_tree\(x, comm\).*process_local"):
     step(jnp.ones(2))
+
+  def local(x):  # this process's one device, on purpose: as under the multi-device kinds
+    with mnjax.process_local():
+      return jax.lax.pmean(x, comm.axis_name), jax.lax.axis_index(comm.axis_name)
+
+  x = jnp.arange(2.0) + comm.rank
+  mean, index = mnjax.data_parallel(local, comm, batch_argnums=(0,))(x)
+  assert mean.tolist() == x.tolist() and int(index) == 0
 
 
 @pytest.mark.parametrize("kind", ["hierarchical", "two_dimensional"])
