@@ -129,21 +129,15 @@ def data_parallel(
 
 
 def replica_index(comm: Communicator) -> jax.Array:
-  """This replica's index among the job's ``comm.num_replicas``, inside a `data_parallel` step.
+  """This replica's index among ``comm.num_replicas`` (int32), inside a `data_parallel` step.
 
-  ``comm.rank * comm.local_device_count`` plus the local device's index (under ``xla``, the
-  device's index in the job's mesh): the order in which the global batch is dealt. Under the
-  MPI kinds ``lax.axis_index(comm.axis_name)`` counts this process's devices only, so a pmap
-  script's ``fold_in(key, lax.axis_index(...))`` gives every process the same dropout masks;
-  fold in this index instead. An int32 scalar (the program check takes its value as
-  rank-dependent on purpose).
+  ``comm.rank * comm.local_device_count`` plus the local device's (``xla``: its place in the
+  job's mesh), the order the batch is dealt in. Fold it into per-replica keys (dropout):
+  under the MPI kinds ``lax.axis_index`` repeats on every process.
 
   Example:
-    >>> def step(key):
-    ...   index = mnjax.train.replica_index(comm)
-    ...   return jax.random.fold_in(key, index), index
-    >>> keys, index = mnjax.data_parallel(step, comm, batch_argnums=(), per_device_outputs=(0, 1))(
-    ...     jax.random.key(0))
+    >>> index = mnjax.data_parallel(lambda: (mnjax.train.replica_index(comm),), comm,
+    ...                             batch_argnums=(), per_device_outputs=(0,))()[0]
     >>> index.tolist() == [comm.rank * comm.local_device_count + i
     ...                    for i in range(comm.local_device_count)]
     True

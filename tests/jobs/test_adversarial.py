@@ -102,6 +102,6 @@ def test_a_rank_stuck_in_its_own_code_is_named_at_the_bound_by_every_waiting_ran
   assert result.returncode != 0 and time.monotonic() - start < 30, result.stdout[-4000:]
   for me in (0, 1):
     for line in (f"world rank {me} waited 12 s in bcast_obj's check of the root and its object",
-                 f"Waiting in it too: world rank {1 - me}; not in it: world rank 2, alive"):
+                 f"Waiting in it too: world ranks [{1 - me}]; not in it: world ranks [2], alive"):
       assert line in result.stdout, result.stdout[-4000:]
   assert "returned normally" not in result.stdout

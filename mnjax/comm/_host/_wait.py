@@ -74,32 +74,21 @@ def wait(comm: Any, request: Any, what: str, *, peers: Sequence[int] | None = No
 def _timed_out(comm: Any, what: str, limit: float, message: str, notice: Any,
                peers: Sequence[int] | None) -> str:
   """A timed-out wait's message: `message` (or one of its own), then who is missing."""
-  me = MPI.COMM_WORLD.Get_rank()
   text = message or (
-      f"world rank {me} waited {limit:.0f} s in {what}, and not every rank it needs came."
-      f" Every rank must reach mnjax's collectives and checks; raise"
-      f" {native.WAIT_TIMEOUT_ENV}=<seconds> if a rank is only slow.")
-  if not notice.told():  # notices off, or a bound shorter than a notice takes: nothing heard
-    return text
-  there = set(notice.alongside())
+      f"world rank {MPI.COMM_WORLD.Get_rank()} waited {limit:.0f} s in {what}, and not every"
+      f" rank it needs came. Raise {native.WAIT_TIMEOUT_ENV}=<seconds> if a rank is only slow.")
+  there = notice.alongside()  # nothing when notices are off or the bound came first
   missing = [w for w in _world_peers(comm, peers) if w not in there]
-  if missing:
-    text += (f" Waiting in it too: {_world_list(sorted(there))}; not in it:"
-             f" {_world_list(missing)}, alive (none exited) but in its own code, stuck, or"
-             " waiting where this rank was not told (a step of another communicator).")
+  if notice.told() and missing:
+    text += (f" Waiting in it too: world ranks {there}; not in it: world ranks {missing}, alive"
+             " (none exited) but in their own code, stuck, or waiting where this rank was not"
+             " told (a step of another communicator).")
   return text
 
 
-def _world_list(ranks: list[int]) -> str:
-  if not ranks:
-    return "no other rank"
-  return f"world rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
 def _scope(uid: int, message: tuple[int, int, int] | None) -> int:
-  """What this wait's notices name as its operation: the communicator's `uid` for its rounds;
-  for a message, a number both ends compute alike from the uid, the two ranks and the tag
-  (0, unknown, for a receive of any tag or a communicator without a uid)."""
+  """The operation this wait's notices name: the communicator's `uid`, or for a message a hash
+  of it, both ranks and the tag (0, unknown: any tag, or no uid)."""
   if not uid or message is None:
     return int(uid)
   if message[2] < 0:

@@ -5,15 +5,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["DEFAULT_WAIT_TIMEOUT", "LIBRARY", "NOTICE_AFTER", "SOURCE", "SOURCES", "TARGETS",
            "WAIT_TIMEOUT_ENV", "HostWait",
-           "allreduce_calls", "build", "collective_counts", "configure_waits", "handlers",
+           "allreduce_calls", "collective_counts", "configure_waits", "handlers",
            "is_stale", "register", "wait_timeout"]
 
 
@@ -39,20 +36,6 @@ TARGETS = ("mnjax_mpi_allreduce_start", "mnjax_mpi_allreduce_start_linked",
            "mnjax_mpi_scatter", "mnjax_mpi_reduce")
 
 
-def _compiler() -> str:
-  candidates = [os.environ.get("MPICXX"), str(Path(sys.executable).with_name("mpicxx")),
-                shutil.which("mpicxx"), shutil.which("mpic++")]
-  for c in candidates:
-    if c and Path(c).is_file() and os.access(c, os.X_OK):
-      return c
-  raise FileNotFoundError(
-      "mnjax.comm._instep._native: no MPI C++ compiler found (looked at $MPICXX, mpicxx next to"
-      f" {sys.executable}, mpicxx/mpic++ on PATH). Install the `mpich` extra or put your"
-      " MPI's mpicxx on PATH (or set MPICXX=/path/to/mpicxx), then run"
-      " `python -m mnjax.comm._instep._native`."
-  )
-
-
 def is_stale() -> bool:
   """True when the library is missing or older than its source.
 
@@ -63,32 +46,12 @@ def is_stale() -> bool:
   return not LIBRARY.exists() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES)
 
 
-def build(force: bool = False) -> Path:
-  """Compiles the handler into `LIBRARY` (skipped when up to date unless `force`).
-
-  Example:
-    >>> mnjax.comm._instep._native.build()
-    PosixPath('.../mnjax/comm/_instep/_native/_mpi_collectives.so')
-  """
-  if not force and not is_stale():
-    return LIBRARY
-  from jax import ffi  # noqa: PLC0415 (the counters and is_stale work without importing jax)
-
-  tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
-  cmd = [_compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{ffi.include_dir()}",
-         str(SOURCE), "-o", str(tmp)]
-  out = subprocess.run(cmd, capture_output=True, text=True)
-  if out.returncode != 0:
-    tmp.unlink(missing_ok=True)
-    raise RuntimeError(
-        f"mnjax.comm._instep._native: `{' '.join(cmd)}` failed:\n{out.stderr[-4000:]}")
-  tmp.replace(LIBRARY)  # atomic: a concurrent loader never sees half a library
-  return LIBRARY
-
-
 @functools.cache
 def _library() -> ctypes.CDLL:
-  build()  # no-op when up to date
+  if is_stale():
+    from mnjax.comm._instep._native._build import build  # noqa: PLC0415 (only to compile)
+
+    build()
   # MPI symbols resolve against the libmpi that mpi4py already loaded (the same file).
   return ctypes.CDLL(str(LIBRARY))
 
@@ -245,12 +208,11 @@ class HostWait:
     return int(peer), theirs.value.decode(errors="replace"), kind.value == _IN_STEP_WAIT
 
   def told(self) -> bool:
-    """Whether this wait has told its peers (and so hears theirs): notices on, and it lasted
-    `NOTICE_AFTER`."""
+    """Whether this wait told its peers (notices on, and it lasted `NOTICE_AFTER`)."""
     return self._id != 0
 
   def alongside(self) -> list[int]:
-    """The world ranks this wait needs that told of waiting in it too (after `check`)."""
+    """The world ranks this wait needs that told of waiting in it too."""
     if not self._id:
       return []
     out = (ctypes.c_int * 4096)()

@@ -2,8 +2,8 @@
 
 import sys
 
-from mnjax.comm._instep import _native as native
+from mnjax.comm._instep._native._build import build
 
 if __name__ == "__main__":
-  path = native.build(force="--force" in sys.argv[1:])
+  path = build(force="--force" in sys.argv[1:])
   print(f"mnjax.comm._instep._native: {path}")
