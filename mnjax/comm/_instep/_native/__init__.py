@@ -215,9 +215,11 @@ class HostWait:
     """The world ranks this wait needs that told of waiting in it too."""
     if not self._id:
       return []
-    out = (ctypes.c_int * 4096)()
-    n = _library().mnjax_wait_alongside(self._id, out, len(out))
-    return sorted(out[:min(n, len(out))])
+    lib = _library()
+    n = lib.mnjax_wait_alongside(self._id, None, 0)  # how many, then which
+    out = (ctypes.c_int * n)()
+    n = min(n, lib.mnjax_wait_alongside(self._id, out, n))
+    return sorted(out[:n])
 
   def end(self) -> None:
     """Tells the peers this wait ended (if they were told it began)."""

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jax import ffi
+
 from mnjax.comm._instep._native import LIBRARY, SOURCE, is_stale
 
 __all__ = ["build"]
@@ -36,8 +38,6 @@ def build(force: bool = False) -> Path:
   """
   if not force and not is_stale():
     return LIBRARY
-  from jax import ffi  # noqa: PLC0415 (the counters and is_stale work without importing jax)
-
   tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
   cmd = [_compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{ffi.include_dir()}",
          str(SOURCE), "-o", str(tmp)]
