@@ -45,34 +45,50 @@ FIT = (250_000, 1_000_000, 2_000_000, 4_000_000)   # 1, 4, 8 and 16 MB
 
 
 def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, folder,
-         local_baseline=False):
+         local_baseline=False, windows=0):
+  """The rows of one `lab.bench.cluster_worker` job: each exchange's time, the step's minus
+  the no-exchange step's, or with `windows` the handlers' own (``exchange_step_s`` keeps
+  the difference)."""
   out = Path(folder) / f"{kind}-{ranks_per_node}-{rate}-{nodes}.json"
   cluster_job(["lab.bench.cluster_worker", "--kind", kind, "--params",
                ",".join(map(str, sizes)), "--wire", ",".join(wires), "--baseline", "--steps",
-               str(steps), "--out", str(out), *(["--local-baseline"] if local_baseline else [])],
+               str(steps), "--out", str(out), "--handler-windows", str(windows),
+               *(["--local-baseline"] if local_baseline else [])],
               nodes=nodes, rate=rate, ranks_per_node=ranks_per_node, devices=devices)
   runs = json.loads(out.read_text())["runs"]
   base = {r["params"]: r["seconds_per_step"] for r in runs if r["wire"] == "none"}
+  diff = {id(r): max(r["seconds_per_step"] - base[r["params"]], 0) for r in runs}
   return [{"kind": kind, "ranks_per_node": ranks_per_node, "params": r["params"],
-           "wire": r["wire"], "exchange_s": max(r["seconds_per_step"] - base[r["params"]], 0),
-           "step_s": r["seconds_per_step"],
+           "wire": r["wire"], "exchange_s": (diff[id(r)] if r.get("handler_seconds_per_step")
+                                             is None else r["handler_seconds_per_step"]),
+           "exchange_step_s": diff[id(r)], "step_s": r["seconds_per_step"],
            "tx_bytes": r["nodes"][0]["tx_bytes"] if r["nodes"] else None}
           for r in runs if r["wire"] != "none"]
 
 
-def burst(rate: str) -> float:
-  """Bytes the shaped uplink lets through at once (`lab.cluster.burst_bytes`; 0 unshaped)."""
+def shaper(rate: str) -> dict:
+  """The shaped uplink's ``burst`` (bytes it lets through at once, `lab.cluster.burst_bytes`)
+  and ``refill`` (bytes/s its bucket refills at: the rate), as `link.fit` takes them; 0
+  unshaped.
+
+  Example:
+    >>> shaper("1gbit"), shaper("none")
+    ({'burst': 250000.0, 'refill': 125000000.0}, {'burst': 0.0, 'refill': 0.0})
+  """
   from lab.cluster import burst_bytes, rate_bits
   bits = rate_bits(rate)
-  return 0.0 if bits is None else float(burst_bytes(bits))
+  if bits is None:
+    return {"burst": 0.0, "refill": 0.0}
+  return {"burst": float(burst_bytes(bits)), "refill": bits / 8}
 
 
 def fit_link(rows, *, nodes, rate, kind="flat", ranks_per_node=1, wire="fp32", sizes=FIT,
              relative=False) -> link.LinkFit | None:
   """alpha and bandwidth from the rows (`_job`) of one layout and wire, of `sizes`
-  (`link.fit` on each row's modelled uplink bytes, the shaper's burst known from `rate`);
-  None (and says why) where the link is not the bottleneck. By default the link alone:
-  ``flat``, one rank per node, float32."""
+  (`link.fit` on each row's modelled uplink bytes, the shaper known from `rate`, the link
+  idle between two exchanges for the step's time outside its exchange); None (and says why)
+  where the link is not the bottleneck. By default the link alone: ``flat``, one rank per
+  node, float32."""
   fits = [r for r in rows if r["kind"] == kind and r["ranks_per_node"] == ranks_per_node
           and r["wire"] == wire and r["params"] in sizes]
   bits = 16 if wire == "bf16" else 32
@@ -80,7 +96,7 @@ def fit_link(rows, *, nodes, rate, kind="flat", ranks_per_node=1, wire="fp32", s
     return link.fit([link.uplink_bytes(kind, 4 * r["params"], nodes=nodes,
                                        ranks_per_node=ranks_per_node, wire_bits=bits)
                      for r in fits], [r["exchange_s"] for r in fits], relative=relative,
-                    burst=burst(rate))
+                    idle_s=[r["step_s"] - r["exchange_s"] for r in fits], **shaper(rate))
   except ValueError as e:   # the unshaped link: the cores, not the link, may set the time
     print(f"no link fit for {kind} x {ranks_per_node} per node ({wire}) at {rate}, {nodes} "
           f"nodes: {e}")
@@ -88,14 +104,17 @@ def fit_link(rows, *, nodes, rate, kind="flat", ranks_per_node=1, wire="fp32", s
 
 
 def fit_job(*, nodes, rate, steps, folder, kind="flat", ranks_per_node=1, devices=None,
-            wires=("fp32",), sizes=FIT, relative=False) -> tuple[dict, list[dict]]:
+            wires=("fp32",), sizes=FIT, relative=False,
+            windows=3) -> tuple[dict, list[dict]]:
   """({wire: the fit or None}, the measured rows) from a job of one layout's exchanges of
   `sizes` float32 parameters alone: what the link and the box's shared cores (the
-  reductions, copies and conversions of every rank on a node) cost that layout, calibrated
-  once per point. Against a baseline averaged over each process's own devices, as the step
-  benchmark's no-exchange step: the exchange is what crosses processes."""
+  reductions and copies of every rank on a node) cost that layout, calibrated once per
+  point. Timed from the handlers' events (`windows` of `steps` steps,
+  `lab.bench.handler_time`), as the step benchmark times its exchange rows; the baseline
+  averages over each process's own devices, as the step benchmark's no-exchange step: the
+  exchange is what crosses processes."""
   rows = _job(kind, sizes, list(wires), nodes=nodes, rate=rate, ranks_per_node=ranks_per_node,
-              devices=devices, steps=steps, folder=folder, local_baseline=True)
+              devices=devices, steps=steps, folder=folder, local_baseline=True, windows=windows)
   return {w: fit_link(rows, nodes=nodes, rate=rate, kind=kind, ranks_per_node=ranks_per_node,
                       wire=w, sizes=sizes, relative=relative) for w in wires}, rows
 
@@ -115,7 +134,8 @@ def _point(nodes, rate, steps, folder, big):
     r["predicted_bytes"] = link.uplink_bytes(r["kind"], 4 * r["params"], nodes=nodes,
                                              ranks_per_node=r["ranks_per_node"], wire_bits=bits)
     r["predicted_s"] = f and f.exchange_time(r["kind"], 4 * r["params"], nodes=nodes,
-                                             ranks_per_node=r["ranks_per_node"], wire_bits=bits)
+                                             ranks_per_node=r["ranks_per_node"], wire_bits=bits,
+                                             idle_s=r["step_s"] - r["exchange_s"])
   return {"rate": rate, "nodes": nodes, "alpha_s": f and f.alpha,
           "bandwidth_Bps": f and f.bandwidth, "rows": rows}
 

@@ -1,5 +1,5 @@
-"""``python -m lab.bench cluster``'s step part: train steps across emulated nodes, predicted
-by the link's cost model before they are measured.
+"""``python -m lab.bench cluster``'s step part: train steps across emulated nodes, their
+exchanges predicted by the link's cost model and measured.
 
 Per rate and node count, three jobs of `lab.bench.cluster_step_worker` (the digits CNN and a
 ResNet-10, each against the same step with no cross-node exchange, `JOBS`):
@@ -15,15 +15,19 @@ A job that fails is reported (its error in the point's ``failed``) and the other
 The model is calibrated once per job's layout, before the job: a job of float32 (and, where a
 variant uses it, bf16-wire) exchanges of 64 kB to 16 MB in that layout (`FIT`,
 `lab.costmodel.link.fit` with relative errors: a step's buckets are small; the shaper's
-burst known from the rate) gives alpha and an effective bandwidth that includes what the
-box's shared cores add to the link (the reductions, copies and conversions of every rank of
-a node). Each variant's exchange is then
+burst and refill rate known from the rate, each point's idle link from its step) gives
+alpha and an effective bandwidth that includes what the box's shared cores add to the link
+(the reductions and copies of every rank of a node). Each variant's exchange is then
 predicted from its bucket plan (the plan `allreduce_gradients` uses,
-`lab.costmodel.step.planned_buckets`): ``LinkFit.buckets_time``, buckets in flight together
-on ``flat`` without a wire (alpha once), one after the other elsewhere; local SGD's every
-``every_k`` steps. The measured exchange is the step's time minus the no-exchange step's
-(same job, alternating rounds). The exchange rows, where the model claims the time
-(`EXCHANGE_ROWS`: nothing overlaps), are compared to it; the overlapping variants lie
+`lab.costmodel.step.planned_buckets`) and the time the link idles while the step computes
+(the no-exchange step's time, the one input the job gives: the shaper's bucket refills
+then): ``LinkFit.buckets_time``, buckets in flight together on ``flat`` without a wire
+(alpha once), one after the other elsewhere; local SGD's every ``every_k`` steps. The
+exchange rows, where the model claims the time (`EXCHANGE_ROWS`:
+nothing overlaps), are timed as the fit is, from the in-step handlers' own events
+(`lab.bench.handler_time`: each collective from its last arrival to its last completion), and
+compared to it; ``exchange_step_s`` keeps the step's time minus the no-exchange step's
+(same job, alternating rounds), which also holds the ranks' skew. The overlapping variants lie
 between the model without overlap and fully overlapped. Step efficiency = t(no exchange) /
 t(variant), as in ``python -m lab.bench step``; predicted without overlap (``t0 / (t0 + x)``)
 and fully overlapped (``t0 / max(t0, x)``). ``overlap`` = (t(plain) - t(variant)) / min(t0,
@@ -37,7 +41,7 @@ import time
 from pathlib import Path
 
 from lab.bench.cluster_job import cluster_job
-from lab.bench.cluster_step_worker import NEVER, VARIANTS
+from lab.bench.cluster_step_worker import EXCHANGE_ROWS, NEVER, VARIANTS
 
 # The link's fit: float32 exchanges of 64 kB to 16 MB, relative errors (the CNN's buckets are
 # 5-520 kB, the ResNet's up to 9.4 MB).
@@ -51,15 +55,14 @@ FIT_STEPS = 10   # timed steps per size: the small exchanges are a few ms, noisy
 JOBS = (("flat", 1, None, ("cnn", "resnet"), tuple(VARIANTS)),
         ("flat", 2, None, ("cnn",), tuple(VARIANTS)),
         ("hierarchical", 1, 2, ("cnn",), ("allreduce",)))
-# Variants whose exchange nothing hides: the model's exchange time is a claim about them.
-EXCHANGE_ROWS = ("allreduce", "allreduce_bf16_wire", "local_sgd8")
 
 
 def predicted_exchange(fits, kind: str, variant: str, buckets: list[float], *, nodes: int,
-                       ranks_per_node: int) -> float | None:
+                       ranks_per_node: int, compute_s: float | None = None) -> float | None:
   """Seconds of one step's exchange of `buckets` (wire bytes) under `variant`, from the
-  layout's `fits` ({"fp32" | "bf16": LinkFit or None}): `LinkFit.buckets_time`, divided by
-  local SGD's ``every_k``; None without a fit, or for local SGD that never meets.
+  layout's `fits` ({"fp32" | "bf16": LinkFit or None}): `LinkFit.buckets_time` after
+  `compute_s` of idle link (the step without its exchange; local SGD's ``every_k`` of them),
+  divided by local SGD's ``every_k``; None without a fit, or for local SGD that never meets.
 
   Example:
     >>> from lab.costmodel.link import LinkFit
@@ -73,10 +76,12 @@ def predicted_exchange(fits, kind: str, variant: str, buckets: list[float], *, n
   fit = fits.get("bf16" if bf16 else "fp32")
   if fit is None or options.get("local_sgd") == NEVER:   # no fit; no exchange while timed
     return None
+  every_k = options.get("local_sgd", 1)
   float32 = [2 * b for b in buckets] if bf16 else list(buckets)
   x = fit.buckets_time(kind, float32, nodes=nodes, ranks_per_node=ranks_per_node,
-                       wire_bits=16 if bf16 else 32, in_flight=kind == "flat" and not bf16)
-  return x / options.get("local_sgd", 1)
+                       wire_bits=16 if bf16 else 32, in_flight=kind == "flat" and not bf16,
+                       idle_s=None if compute_s is None else every_k * compute_s)
+  return x / every_k
 
 
 def overlap(plain_s: float, variant_s: float, no_exchange_s: float) -> float | None:
@@ -121,14 +126,11 @@ def step_point(nodes: int, rate: str, fit_layout, args, folder) -> dict:
     # The measured points are kept with or without a fit: where none came, they say why.
     fits_of[f"{kind} {rpn}x{devices or 1}"] = {w: {
         **({} if f is None else {"alpha_s": f.alpha, "bandwidth_Bps": f.bandwidth,
-                                 "burst_bytes": f.burst}),
-        "points": [(r["params"], r["exchange_s"]) for r in measured if r["wire"] == w]}
+                                 "burst_bytes": f.burst, "refill_Bps": f.refill}),
+        "points": [(r["params"], r["exchange_s"], r["step_s"]) for r in measured
+                   if r["wire"] == w]}
         for w, f in fits.items()}
-    # Predicted first, from the fit and the plan alone (the function the worker records its
-    # plan with).
-    predicted = {m: {v: predicted_exchange(fits, kind, v, bucket_plan(m, v), nodes=nodes,
-                                           ranks_per_node=rpn)
-                     for v in variants} for m in models}
+    plans = {m: {v: bucket_plan(m, v) for v in variants} for m in models}
     start = time.perf_counter()
     try:
       got = _job(kind, rpn, devices, models, variants, nodes=nodes, rate=rate, args=args,
@@ -143,15 +145,20 @@ def step_point(nodes: int, rate: str, fit_layout, args, folder) -> dict:
       sec = m["seconds_per_step"]
       t0 = sec["no_communication"]
       for v in variants:
-        x = predicted[model][v]
+        # From the fit, the plan and the step without exchange alone (the shaper's bucket
+        # refills while it computes): not from this variant's own times.
+        x = predicted_exchange(fits, kind, v, plans[model][v], nodes=nodes,
+                               ranks_per_node=rpn, compute_s=t0)
         # local SGD's exchange: against the same transformation that never meets (its own
         # per-step work is not an exchange), where that ran.
         base = sec.get("local_sgd_alone", t0) if v == "local_sgd8" else t0
+        step_diff = max(sec[v] - base, 0.0)
         rows.append({
             "kind": kind, "ranks_per_node": rpn, "devices_per_rank": devices or 1,
             "model": model, "params": m["params"], "variant": v,
             "buckets": len(m["bucket_bytes"][v]), "step_s": sec[v], "no_exchange_s": t0,
-            "exchange_s": max(sec[v] - base, 0.0), "predicted_exchange_s": x,
+            "exchange_s": m.get("exchange_seconds", {}).get(v, step_diff),
+            "exchange_step_s": step_diff, "predicted_exchange_s": x,
             "efficiency": t0 / sec[v],
             "predicted_efficiency": x and t0 / (t0 + x),
             "predicted_efficiency_overlapped": x and t0 / max(t0, x)})

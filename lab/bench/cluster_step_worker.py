@@ -15,8 +15,11 @@ is always timed: plain optax (one device per rank) or gradients averaged over th
 process's own devices only (several), as in ``python -m lab.bench kinds``. Rounds
 alternate between variants (`lab.bench.rounds.time_rounds`: slowest rank, median).
 
-Rank 0 writes ``{"kind", "ranks", "devices_per_rank", "models": {name: {"params",
-"grad_bytes", "bucket_bytes": {variant: [wire bytes per bucket]}, "seconds_per_step":
+The exchange rows (`EXCHANGE_ROWS`) are also timed from the in-step handlers' events
+(`lab.bench.handler_time.exchange_seconds`: each collective from its last arrival to its
+last completion; windows of 8 steps, local SGD's whole rounds). Rank 0 writes ``{"kind",
+"ranks", "devices_per_rank", "models": {name: {"params", "grad_bytes", "bucket_bytes":
+{variant: [wire bytes per bucket]}, "seconds_per_step": {variant: s}, "exchange_seconds":
 {variant: s}}}}``.
 """
 
@@ -41,6 +44,9 @@ VARIANTS = {
     "local_sgd_alone": ({"local_sgd": NEVER}, False),
 }
 MODELS = ("cnn", "resnet")
+# Variants whose exchange nothing hides: the model's exchange time is a claim about them,
+# timed from the handlers' events too (`lab.bench.handler_time`).
+EXCHANGE_ROWS = ("allreduce", "allreduce_bf16_wire", "local_sgd8")
 
 
 def _model(name: str, resnet_images: int = 4):
@@ -96,6 +102,7 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
   import optax
 
   import mnjax
+  from lab.bench.handler_time import exchange_seconds
   from lab.bench.rounds import time_rounds
   from lab.runner import create_train_state, make_train_step
   from mnjax.comm._instep import _allreduce as collectives
@@ -135,9 +142,15 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
   period = max(rounds_of, default=1)
   steps = -(-steps // period) * period  # local SGD: whole rounds, one meeting per round
   seconds = time_rounds(states, runs, comm.mpi_comm, rounds=args.rounds, steps=steps)
+  # The exchange rows' exchange, from the handlers' own events (the model's claim).
+  exchange = {}
+  for v in (v for v in variants if v in EXCHANGE_ROWS):
+    every_k = VARIANTS[v][0].get("local_sgd", 1)
+    exchange[v], _ = exchange_seconds(states[v], runs[v], comm.mpi_comm, windows=args.rounds,
+                                      steps=every_k * -(-min(steps, 8) // every_k))
   n = sum(x.size for x in jax.tree.leaves(states["no_communication"].params))
   return {"params": int(n), "grad_bytes": 4 * int(n), "images_per_device": per_device,
-          "bucket_bytes": plans, "seconds_per_step": seconds}
+          "bucket_bytes": plans, "seconds_per_step": seconds, "exchange_seconds": exchange}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,8 @@ each node's uplink bytes read around the timed steps.
 
 ``python -m lab.bench.cluster_worker --kind flat --params 1000000,4000000 --wire fp32,bf16
 --steps 5 --out r.json`` under ``mpirun`` or ``python -m lab.cluster run``. Rank 0 writes
-``{"runs": [{"params", "wire", "seconds_per_step", "nodes": [{"node", "tx_bytes",
+``{"runs": [{"params", "wire", "seconds_per_step", "handler_seconds_per_step" (with
+``--handler-windows``, else null), "nodes": [{"node", "tx_bytes",
 "rx_bytes"} per step], "params_sha256", "ranks_agree"}, ...], **runs[0]}``; outside a
 namespace (no ``eth0``) ``nodes`` is null. ``--shard``: after those runs, the same with
 `mnjax.shard_optimizer` (ZeRO-1's reduce-scatter + allgather; ``"optimizer": "shard"``).
@@ -30,17 +31,19 @@ def _counters() -> tuple[int, int] | None:
 
 
 def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False,
-             local_baseline: bool = False) -> dict:
+             local_baseline: bool = False, windows: int = 0) -> dict:
   """Per-step seconds and uplink bytes of `steps` steps (wire None: no exchange at all, or
   with `local_baseline` the gradient averaged over the process's own devices only, as the
   step benchmark's no-exchange step; `shard`: `mnjax.shard_optimizer`'s reduce-scatter +
-  allgather instead of an allreduce)."""
+  allgather instead of an allreduce); with `windows`, also the exchange per step from the
+  handlers' events (`lab.bench.handler_time`, `windows` of `steps` steps)."""
   import jax
   import jax.numpy as jnp
   import optax
   from mpi4py import MPI
 
   import mnjax
+  from lab.bench.handler_time import exchange_seconds
   world = MPI.COMM_WORLD
   dtype = jnp.bfloat16 if wire == "bf16" else None
   links = [] if wire is None else [mnjax.allreduce_gradients(comm, wire_dtype=dtype)]
@@ -80,6 +83,13 @@ def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False,
   seconds = time.perf_counter() - start
   world.Barrier()
   after = _counters()
+  handlers = None
+  if windows and wire is not None:
+    def one(s):
+      p, o, i = s
+      return (*run(p, o, batch(i)), i + 1)
+    handlers, (params, opt_state, _) = exchange_seconds(
+        (params, opt_state, steps + 1), one, world, windows=windows, steps=steps)
   mine = None
   if before is not None and comm.intra_rank == 0:
     mine = {"node": comm.inter_rank, "tx_bytes": (after[0] - before[0]) / steps,
@@ -89,7 +99,7 @@ def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False,
   w = np.asarray(params["w"])
   digests = world.allgather(hashlib.sha256(w.tobytes()).hexdigest())
   return {"params": n, "wire": wire or "none", "optimizer": "shard" if shard else "allreduce",
-          "seconds_per_step": max(times or [0]),
+          "seconds_per_step": max(times or [0]), "handler_seconds_per_step": handlers,
           "nodes": sorted((x for x in nodes or [] if x), key=lambda x: x["node"]) or None,
           "params_sha256": digests[0], "ranks_agree": len(set(digests)) == 1,
           "params_head": w[:4].tolist()}
@@ -106,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--local-baseline", action="store_true",
                  help="the baseline averages over the process's own devices (multi-device "
                       "kinds): the exchange is then what crosses processes")
+  p.add_argument("--handler-windows", type=int, default=0,
+                 help="also time the exchange from the handlers' events, over this many "
+                      "windows of --steps steps (lab.bench.handler_time)")
   p.add_argument("--shard", action="store_true",
                  help="also each size and wire with shard_optimizer(sgd) (the flat kind)")
   p.add_argument("--out", required=True)
@@ -121,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
   runs = []
   for n in (int(x) for x in args.params.split(",")):
     for wire in [*wires, *([None] if args.baseline else [])]:
-      runs.append(_measure(comm, n, wire, args.steps, local_baseline=args.local_baseline))
+      runs.append(_measure(comm, n, wire, args.steps, local_baseline=args.local_baseline,
+                           windows=args.handler_windows))
   if args.shard:
     runs += [_measure(comm, n, wire, args.steps, shard=True)
              for n in (int(x) for x in args.params.split(",")) for wire in wires]

@@ -72,17 +72,32 @@ class LinkFit:
   emulated uplinks.
 
   `burst`: bytes a shaper with a full token bucket lets through at once (tc's ``tbf``
-  ``burst``, `lab.cluster.burst_bytes`: 250 kB at 1 Gbit/s); the bucket refills while a step
-  computes, so each step's exchange gets it once. 0 for a link that is not shaped.
+  ``burst``, `lab.cluster.burst_bytes`: 250 kB at 1 Gbit/s). The bucket refills at the
+  shaper's rate, `refill` bytes/s, while the link is idle: an exchange after ``idle_s`` of
+  compute gets ``min(burst, idle_s * refill)`` (`available_burst`), once per step; back to
+  back exchanges get little of it. `refill` 0: the whole burst whatever the idle time. 0 for
+  a link that is not shaped.
   """
 
   alpha: float
   bandwidth: float
   burst: float = 0.0
+  refill: float = 0.0
+
+  def available_burst(self, idle_s: float | None = None) -> float:
+    """Bytes of the burst an exchange gets after the link was idle `idle_s` (None: long).
+
+    >>> f = LinkFit(1e-3, 1e8, burst=2.5e5, refill=1.25e8)   # 1 Gbit/s
+    >>> f.available_burst(), f.available_burst(1e-3), f.available_burst(0.01)
+    (250000.0, 125000.0, 250000.0)
+    """
+    if idle_s is None or not self.refill:
+      return self.burst
+    return min(self.burst, max(idle_s, 0.0) * self.refill)
 
   def exchange_time(self, kind: str, nbytes: float, *, nodes: int, ranks_per_node: int = 1,
-                    wire_bits: int = 32) -> float:
-    """Predicted seconds of one gradient exchange.
+                    wire_bits: int = 32, idle_s: float | None = None) -> float:
+    """Predicted seconds of one gradient exchange, after `idle_s` of idle link.
 
     >>> LinkFit(1e-3, 1e8).exchange_time("flat", 1e8, nodes=2)
     1.001
@@ -90,16 +105,17 @@ class LinkFit:
     0.001
     """
     return self.buckets_time(kind, [nbytes], nodes=nodes, ranks_per_node=ranks_per_node,
-                             wire_bits=wire_bits)
+                             wire_bits=wire_bits, idle_s=idle_s)
 
   def buckets_time(self, kind: str, buckets: list[float], *, nodes: int,
                    ranks_per_node: int = 1, wire_bits: int = 32,
-                   in_flight: bool = False) -> float:
-    """Predicted seconds of a step's exchange of `buckets` (float32 bytes each).
+                   in_flight: bool = False, idle_s: float | None = None) -> float:
+    """Predicted seconds of a step's exchange of `buckets` (float32 bytes each), the link
+    idle for `idle_s` before it (the step's compute; None: long enough to refill the burst).
 
     One after the other, every bucket pays ``alpha``; `in_flight` (``flat`` without a 16-bit
     wire: each bucket starts as soon as the previous one has started), the buckets share the
-    link and pay ``alpha`` once. The burst counts once per step.
+    link and pay ``alpha`` once. The burst counts once per step (`available_burst`).
 
     >>> f = LinkFit(1e-3, 1e8)
     >>> [round(f.buckets_time("flat", [1e6, 1e6], nodes=2, in_flight=i), 3) for i in (0, 1)]
@@ -112,16 +128,19 @@ class LinkFit:
     sent = sum(uplink_bytes(kind, b, nodes=nodes, ranks_per_node=ranks_per_node,
                             wire_bits=wire_bits) for b in buckets)
     latencies = 1 if in_flight else len(buckets)
-    return latencies * self.alpha + max(0.0, sent - self.burst) / self.bandwidth
+    beyond = max(0.0, sent - self.available_burst(idle_s))
+    return latencies * self.alpha + beyond / self.bandwidth
 
 
-def fit(bytes_per_node, seconds, *, relative: bool = False, burst: float = 0.0) -> LinkFit:
+def fit(bytes_per_node, seconds, *, relative: bool = False, burst: float = 0.0,
+        refill: float = 0.0, idle_s=None) -> LinkFit:
   """Least-squares alpha and bandwidth from (uplink bytes per exchange, seconds) points.
 
   `relative`: minimise relative, not absolute, errors (each point weighted by 1/seconds), so
   that points of 64 kB count as much as those of 16 MB: alpha is then set by the small
-  messages, as a step's small buckets need it. `burst`: the shaper's (`LinkFit`), known from
-  its configuration: the bytes beyond it are what the bandwidth moves.
+  messages, as a step's small buckets need it. `burst` and `refill`: the shaper's
+  (`LinkFit`), known from its configuration, with `idle_s` the link's idle time before each
+  point (None: long): the bytes beyond the burst each point got are what the bandwidth moves.
 
   >>> f = fit([1e6, 1e7, 1e8], [0.011, 0.02, 0.11])
   >>> round(f.alpha, 3), round(f.bandwidth / 1e9, 2)
@@ -132,16 +151,22 @@ def fit(bytes_per_node, seconds, *, relative: bool = False, burst: float = 0.0) 
   >>> g = fit([1e5, 1e6, 1e7], [0.001, 0.010, 0.100], burst=1e5)   # 100 MB/s after 100 kB
   >>> round(g.alpha * 1e3, 2), round(g.bandwidth / 1e6), g.burst
   (1.0, 100, 100000.0)
+  >>> h = fit([1e5, 1e6, 1e7], [0.0015, 0.0105, 0.1005], burst=1e5, refill=1e8,
+  ...         idle_s=[5e-4] * 3)   # back to back: 50 kB of the burst refilled
+  >>> round(h.alpha * 1e3, 2), round(h.bandwidth / 1e6)
+  (1.0, 100)
   """
   b = np.asarray(bytes_per_node, float)
   t = np.asarray(seconds, float)
   if b.shape != t.shape or b.size < 2 or np.any(t <= 0):
     raise ValueError(f"need two or more (bytes, seconds > 0) points; got {b.size}, {t.size}")
-  beyond = np.maximum(b - burst, 0.0)
+  shaper = LinkFit(0.0, 1.0, float(burst), float(refill))
+  idle = [None] * b.size if idle_s is None else list(idle_s)
+  beyond = np.maximum(b - np.asarray([shaper.available_burst(i) for i in idle]), 0.0)
   if np.count_nonzero(beyond) < 1 or np.unique(beyond).size < 2:
     raise ValueError(f"need points of two sizes, one beyond the burst ({burst:.0f} bytes)")
   slope, alpha = np.polyfit(beyond, t, 1, w=1 / t if relative else None)
   if slope <= 0:
     raise ValueError("the exchange time does not grow with the bytes: the link is not the "
                      "bottleneck (fewer ranks, a lower rate, or larger messages)")
-  return LinkFit(max(float(alpha), 0.0), 1 / float(slope), float(burst))
+  return LinkFit(max(float(alpha), 0.0), 1 / float(slope), float(burst), float(refill))

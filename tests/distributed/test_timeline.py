@@ -1,5 +1,6 @@
 """The timeline: a valid Perfetto trace with every collective once per rank and its bytes,
-the injected straggler named with its lateness, clocks aligned within 1 ms, nothing traced
+the injected straggler named with its lateness, the handlers' time of an exchange free of the
+wait for it, clocks aligned within 1 ms, nothing traced
 into a step while it is off, a size limit that keeps the last steps, bad paths refused on
 every rank."""
 
@@ -119,6 +120,24 @@ def test_the_injected_straggler_is_named_with_its_lateness(comm, tmp_path):
   trace = read_trace(comm, path)
   waits = [e["args"]["wait_us"] for e in collectives_of(trace, 1, 0)]
   assert max(waits) == pytest.approx(sleep * 1e6, rel=0.2)
+
+
+def test_the_handlers_time_an_exchange_without_the_wait_for_a_straggler(comm):
+  """`lab.bench.handler_time`: each collective from its last arrival to its last completion,
+  not the 0.2 s the other ranks wait for the late one (what a step-time difference holds)."""
+  from lab.bench.handler_time import exchange_seconds
+  sleep = 0.2
+  slow = step_fn(comm, slow_rank=comm.size - 1, sleep=sleep)
+  state = jax.block_until_ready(slow(jnp.int32(0), TREE))
+  start = time.perf_counter()
+  seconds, (n, _) = exchange_seconds(state, lambda s: slow(*s), comm.mpi_comm, windows=2, steps=2)
+  per_step = (time.perf_counter() - start) / 4
+  assert int(n) == 5   # 1 + 2 windows x 2 steps
+  assert per_step >= sleep
+  if comm.size == 1:   # no exchange crosses processes
+    assert seconds == 0.0
+  else:
+    assert 0.0 < seconds < sleep / 4, seconds
 
 
 def test_clock_offsets_are_estimated_within_a_millisecond(comm, tmp_path):

@@ -1,5 +1,6 @@
 """lab.cluster without namespaces (argument checks, the mpirun line, the job's environment) and
-lab.costmodel.link (uplink bytes, the alpha/beta fit)."""
+lab.costmodel.link (uplink bytes, the alpha/beta fit, the shaper's burst refilling while the
+link idles)."""
 
 import pytest
 
@@ -85,6 +86,27 @@ def test_fit_recovers_alpha_and_bandwidth():
     link.fit([1e6, 2e6], [0.2, 0.1])
 
 
+def test_the_shapers_burst_refills_while_the_link_idles_and_the_fit_knows_it():
+  """Exchanges back to back get only the burst that refilled between them: a fit that
+  assumes the whole burst each time is wrong; one told the idle times is right."""
+  shaped = link.LinkFit(1e-3, 1.1e8, burst=2.5e5, refill=1.25e8)   # 1 Gbit/s
+  assert shaped.available_burst(None) == shaped.available_burst(1.0) == 2.5e5
+  assert shaped.available_burst(1e-3) == pytest.approx(1.25e5)
+  assert shaped.available_burst(-1.0) == 0.0
+  after_compute = shaped.exchange_time("flat", 6e5, nodes=2, idle_s=0.01)
+  back_to_back = shaped.exchange_time("flat", 6e5, nodes=2, idle_s=1e-4)
+  assert back_to_back - after_compute == pytest.approx((2.5e5 - 1.25e4) / 1.1e8)
+  sizes = [6.4e4, 2.5e5, 1e6, 4e6]
+  idle = [2e-4] * len(sizes)   # an exchange-only step: the link idles 0.2 ms between two
+  times = [shaped.exchange_time("flat", s, nodes=2, idle_s=i) for s, i in zip(sizes, idle)]
+  sent = [link.uplink_bytes("flat", s, nodes=2) for s in sizes]
+  told = link.fit(sent, times, burst=2.5e5, refill=1.25e8, idle_s=idle, relative=True)
+  assert told.alpha == pytest.approx(1e-3) and told.bandwidth == pytest.approx(1.1e8)
+  assert told.refill == 1.25e8
+  blind = link.fit(sent, times, burst=2.5e5, relative=True)   # the whole burst every time
+  assert abs(blind.alpha - 1e-3) > 5e-4
+
+
 def test_a_steps_buckets_pay_alpha_once_in_flight_and_each_one_after_the_other():
   f = link.LinkFit(2e-3, 1e8)
   buckets = [1e6, 2e6, 4e6]
@@ -119,6 +141,15 @@ def test_the_step_benchmark_predicts_each_variant_from_its_layouts_fit():
       fp32.buckets_time("hierarchical", plan, nodes=2))
   assert predicted_exchange({"fp32": None}, "flat", "allreduce", plan, nodes=2,
                             ranks_per_node=1) is None
+  # The link idles while the step computes (local SGD: every_k steps) and its burst refills.
+  shaped = {"fp32": link.LinkFit(1e-3, 1e8, burst=2.5e5, refill=1.25e8)}
+  short = {v: predicted_exchange(shaped, "flat", v, plan, nodes=2, ranks_per_node=1,
+                                 compute_s=1e-3) for v in ("allreduce", "local_sgd8")}
+  assert short["allreduce"] == pytest.approx(shaped["fp32"].buckets_time(
+      "flat", plan, nodes=2, in_flight=True, idle_s=1e-3))
+  assert short["local_sgd8"] == pytest.approx(shaped["fp32"].buckets_time(
+      "flat", plan, nodes=2, in_flight=True, idle_s=8e-3) / 8)
+  assert short["allreduce"] > 8 * short["local_sgd8"]
   rows = [{"variant": v, "exchange_s": x * s, "predicted_exchange_s": x}
           for v, x, s in zip(EXCHANGE_ROWS, (1.0, 2.0, 3.0), (1.2, 0.9, 1.1))]
   assert within(rows) == (2, 3)
