@@ -407,9 +407,9 @@ display(Markdown(
 # pairs, each uplink shaped with tc to a rate) times the gradient exchange and train steps
 # across emulated nodes (docs/results/cluster.md). The model is `lab.costmodel.link`:
 # `alpha + (uplink bytes - the shaper's burst) / bandwidth` per exchange (in a step: alpha
-# once for the buckets in flight together on `flat`, per bucket elsewhere), alpha and
-# bandwidth fitted once per link and layout (and wire) on exchanges alone, before the other
-# points are predicted. Left: the 102 MB (ResNet-50) exchange per kind and wire at 1 Gbit/s
+# once for the buckets in flight together on `flat`, per bucket elsewhere; the burst as much
+# as refilled while the link idled), alpha and bandwidth fitted once per link and layout
+# (and wire) on exchanges alone, before the other points are predicted. Left: the 102 MB (ResNet-50) exchange per kind and wire at 1 Gbit/s
 # on the line of its own link's fit. Right: the step
 # efficiency (no-exchange step / step) of the digits CNN and a ResNet-10 on the curve
 # `t0 / (t0 + x(nodes))` the model draws from the measured no-exchange step `t0`; the dotted
