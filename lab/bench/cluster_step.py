@@ -25,12 +25,9 @@ then): ``LinkFit.buckets_time``, buckets in flight together on ``flat`` without 
 (alpha once), one after the other elsewhere; local SGD's every ``every_k`` steps. The
 exchange rows, where the model claims the time (`EXCHANGE_ROWS`:
 nothing overlaps), are timed as the fit is, from the in-step handlers' own events
-(`lab.bench.handler_time`: each collective from its last arrival to its last completion),
-and compared to it twice: ``exchange_together_s``, the ranks entering the exchange together
-(`handler_time.entered_together`: the exchange alone, as the fit's exchanges and the model
-have it), and ``exchange_s``, in the step as it runs (the ranks' skew and their compute
-beside it move it); ``exchange_step_s`` keeps the step's time minus the no-exchange step's
-(same job, alternating rounds). The overlapping variants lie
+(`lab.bench.handler_time`: each collective from its last arrival to its last completion), and
+compared to it; ``exchange_step_s`` keeps the step's time minus the no-exchange step's
+(same job, alternating rounds), which also holds the ranks' skew. The overlapping variants lie
 between the model without overlap and fully overlapped. Step efficiency = t(no exchange) /
 t(variant), as in ``python -m lab.bench step``; predicted without overlap (``t0 / (t0 + x)``)
 and fully overlapped (``t0 / max(t0, x)``). ``overlap`` = (t(plain) - t(variant)) / min(t0,
@@ -161,7 +158,6 @@ def step_point(nodes: int, rate: str, fit_layout, args, folder) -> dict:
             "model": model, "params": m["params"], "variant": v,
             "buckets": len(m["bucket_bytes"][v]), "step_s": sec[v], "no_exchange_s": t0,
             "exchange_s": m.get("exchange_seconds", {}).get(v, step_diff),
-            "exchange_together_s": m.get("exchange_seconds_together", {}).get(v),
             "exchange_step_s": step_diff, "predicted_exchange_s": x,
             "efficiency": t0 / sec[v],
             "predicted_efficiency": x and t0 / (t0 + x),
@@ -177,9 +173,9 @@ def step_point(nodes: int, rate: str, fit_layout, args, folder) -> dict:
           "failed": failed}
 
 
-def within(rows, tolerance: float = 0.15, measured: str = "exchange_s") -> tuple[int, int]:
-  """(exchange rows whose `measured` exchange is within `tolerance` of the model's, exchange
-  rows with a model and that measure): the model's claim, checked.
+def within(rows, tolerance: float = 0.15) -> tuple[int, int]:
+  """(exchange rows whose measured exchange is within `tolerance` of the model's, exchange
+  rows with a model): the model's claim, checked.
 
   Example:
     >>> rows = [{"variant": "allreduce", "exchange_s": 1.1, "predicted_exchange_s": 1.0},
@@ -188,9 +184,8 @@ def within(rows, tolerance: float = 0.15, measured: str = "exchange_s") -> tuple
     >>> within(rows)
     (1, 2)
   """
-  mine = [r for r in rows if r["variant"] in EXCHANGE_ROWS and r["predicted_exchange_s"]
-          and r.get(measured) is not None]
-  good = [r for r in mine if abs(r[measured] / r["predicted_exchange_s"] - 1) <= tolerance]
+  mine = [r for r in rows if r["variant"] in EXCHANGE_ROWS and r["predicted_exchange_s"]]
+  good = [r for r in mine if abs(r["exchange_s"] / r["predicted_exchange_s"] - 1) <= tolerance]
   return len(good), len(mine)
 
 
@@ -199,24 +194,21 @@ def print_point(point: dict) -> None:
                    f"alpha {f['alpha_s'] * 1e3:.1f} ms, {f['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s")
                    for layout, by_wire in point["fits"].items() for w, f in by_wire.items())
   good, rows = within(point["rows"])
-  together, _ = within(point["rows"], measured="exchange_together_s")
   print(f"\n== steps at {point['rate']}, {point['nodes']} nodes: fits {fits}; exchange rows "
-        f"within 15% of the model: {together} of {rows} entered together, {good} in the step")
+        f"within 15% of the model: {good} of {rows}")
   print(f"{'kind':12} {'rpn':>3} {'dev':>3} {'model':6} {'variant':22} {'bkts':>4} "
         f"{'step ms':>8} {'t0 ms':>7} {'exch ms':>8} {'model':>7} {'meas/model':>10} "
-        f"{'together':>8} {'eff':>5} {'model':>5} {'ovlp':>5} {'overlap':>7}")
+        f"{'eff':>5} {'model':>5} {'ovlp':>5} {'overlap':>7}")
   for r in point["rows"]:
-    x, t = r["predicted_exchange_s"], r.get("exchange_together_s")
+    x = r["predicted_exchange_s"]
     model = ("-", "-", "-", "-") if x is None else (
         f"{x * 1e3:.0f}", f"{r['exchange_s'] / x:.2f}", f"{r['predicted_efficiency']:.2f}",
         f"{r['predicted_efficiency_overlapped']:.2f}")
-    together = "-" if x is None or t is None else f"{t / x:.2f}"
     hidden = "-" if r["overlap"] is None else f"{r['overlap']:.2f}"
     print(f"{r['kind']:12} {r['ranks_per_node']:3} {r['devices_per_rank']:3} {r['model']:6} "
           f"{r['variant']:22} {r['buckets']:4} {r['step_s'] * 1e3:8.1f} "
           f"{r['no_exchange_s'] * 1e3:7.1f} {r['exchange_s'] * 1e3:8.1f} {model[0]:>7} "
-          f"{model[1]:>10} {together:>8} {r['efficiency']:5.2f} {model[2]:>5} {model[3]:>5} "
-          f"{hidden:>7}")
+          f"{model[1]:>10} {r['efficiency']:5.2f} {model[2]:>5} {model[3]:>5} {hidden:>7}")
   for f in point["failed"]:
     print(f"  failed: {f['kind']} x {f['ranks_per_node']} per node: {f['error'][-300:]}")
   for model in dict.fromkeys(r["model"] for r in point["rows"]):

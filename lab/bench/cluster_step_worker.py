@@ -17,12 +17,10 @@ alternate between variants (`lab.bench.rounds.time_rounds`: slowest rank, median
 
 The exchange rows (`EXCHANGE_ROWS`) are also timed from the in-step handlers' events
 (`lab.bench.handler_time.exchange_seconds`: each collective from its last arrival to its
-last completion; windows of 8 steps, local SGD's whole rounds), in the step as it runs and
-with the ranks entering the exchange together (`entered_together`, its own compile). Rank
-0 writes ``{"kind", "ranks", "devices_per_rank", "models": {name: {"params",
-"grad_bytes", "bucket_bytes": {variant: [wire bytes per bucket]}, "seconds_per_step":
-{variant: s}, "exchange_seconds": {variant: s}, "exchange_seconds_together": {variant:
-s}}}}``.
+last completion; windows of 8 steps, local SGD's whole rounds). Rank 0 writes ``{"kind",
+"ranks", "devices_per_rank", "models": {name: {"params", "grad_bytes", "bucket_bytes":
+{variant: [wire bytes per bucket]}, "seconds_per_step": {variant: s}, "exchange_seconds":
+{variant: s}}}}``.
 """
 
 from __future__ import annotations
@@ -104,7 +102,7 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
   import optax
 
   import mnjax
-  from lab.bench.handler_time import entered_together, exchange_seconds
+  from lab.bench.handler_time import exchange_seconds
   from lab.bench.rounds import time_rounds
   from lab.runner import create_train_state, make_train_step
   from mnjax.comm._instep import _allreduce as collectives
@@ -123,43 +121,36 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
     every_k = options.pop("local_sgd", None)
     chains[v] = (mnjax.optim.local_sgd(opt, comm, every_k=every_k, **options) if every_k
                  else mnjax.create_multi_node_optimizer(opt, comm, **options))
-
-  def compiled(v, tx):
-    """(state after a warm-up step, run(state) -> state) of variant `v` with `tx`."""
+  states, steps = {}, {}
+  for v, tx in chains.items():
     step = make_train_step(local if v == "no_communication" and local else comm)
+    early = collectives.buckets_leave_early(VARIANTS.get(v, ({}, False))[1])
     # Jitted init: eager init runs (and compiles) ResNet's ops one by one.
     state = jax.jit(functools.partial(create_train_state, module, tx, images[:1],
                                       jax.random.key(0)))()
-    with collectives.buckets_leave_early(VARIANTS.get(v, ({}, False))[1]):
+    with early:
       for _ in range(2):   # compile (inside the block: the bucket timing is traced), warm up
         state, _ = step(state, images, labels)
-    return jax.block_until_ready(state), lambda s: step(s, images, labels)[0]
-
-  states, runs = {}, {}
-  for v, tx in chains.items():
-    states[v], runs[v] = compiled(v, tx)
+    states[v], steps[v] = jax.block_until_ready(state), step
     if v != "no_communication":
       plans[v] = bucket_plan(name, v)
+  runs = {v: functools.partial(lambda s, step: step(s, images, labels)[0], step=steps[v])
+          for v in states}
   steps = args.cnn_steps if name == "cnn" else args.steps
   rounds_of = [VARIANTS[v][0].get("local_sgd", 1) for v in variants
                if VARIANTS[v][0].get("local_sgd") != NEVER]
   period = max(rounds_of, default=1)
   steps = -(-steps // period) * period  # local SGD: whole rounds, one meeting per round
   seconds = time_rounds(states, runs, comm.mpi_comm, rounds=args.rounds, steps=steps)
-  # The exchange rows' exchange from the handlers' own events: in the step as it runs, and
-  # with the ranks entering it together (the exchange alone: the model's claim).
-  exchange, together = {}, {}
+  # The exchange rows' exchange, from the handlers' own events (the model's claim).
+  exchange = {}
   for v in (v for v in variants if v in EXCHANGE_ROWS):
     every_k = VARIANTS[v][0].get("local_sgd", 1)
-    window = every_k * -(-min(steps, 8) // every_k)
     exchange[v], _ = exchange_seconds(states[v], runs[v], comm.mpi_comm, windows=args.rounds,
-                                      steps=window)
-    together[v], _ = exchange_seconds(*compiled(v, entered_together(chains[v], comm)),
-                                      comm.mpi_comm, windows=args.rounds, steps=window)
+                                      steps=every_k * -(-min(steps, 8) // every_k))
   n = sum(x.size for x in jax.tree.leaves(states["no_communication"].params))
   return {"params": int(n), "grad_bytes": 4 * int(n), "images_per_device": per_device,
-          "bucket_bytes": plans, "seconds_per_step": seconds, "exchange_seconds": exchange,
-          "exchange_seconds_together": together}
+          "bucket_bytes": plans, "seconds_per_step": seconds, "exchange_seconds": exchange}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,11 +8,6 @@ completion: the bytes' time without the other ranks' wait for the last one, and 
 what the early ranks' bytes moved before it came (the late rank's own span misses that).
 A step's exchange is the union of those intervals. The ranks' stamps are compared as they
 are: the emulated nodes (`lab.cluster`) share one kernel clock.
-
-Ranks that reach an exchange apart make it cheaper after the last one comes (the early
-ranks' bytes already moved) and dearer while some still compute beside it (their cores'
-work). `entered_together` times the exchange alone, as a cost model claims it: the step's
-gradients wait for a barrier of every process before the exchange starts.
 """
 
 from __future__ import annotations
@@ -22,10 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["entered_together", "exchange_seconds", "spans", "union_seconds"]
+__all__ = ["exchange_seconds", "spans", "union_seconds"]
 
 _MARKS = (3, 4)   # the handlers' step begin / end marks (`recorder.NATIVE_KINDS`): no exchange
 
@@ -91,43 +85,3 @@ def exchange_seconds(state: Any, run: Callable[[Any], Any], mpi_comm, *, windows
       raise RuntimeError("exchange_seconds: the handlers' ring lost events: fewer steps")
     per_step.append(union_seconds(mpi_comm.allgather(spans(events))) / steps)
   return statistics.median(per_step), state
-
-
-def entered_together(tx, comm):
-  """`tx` (an optax chain that exchanges) whose update first waits for every process of
-  `comm` at a host barrier (one per process: its first device's), so that the ranks enter
-  the exchange together; for timing the exchange alone (`exchange_seconds`), not training.
-
-  Example:
-    >>> import optax
-    >>> tx = entered_together(optax.sgd(0.1), comm)
-    >>> updates, _ = jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
-    >>> updates["w"]
-    Array([-0.1, -0.1], dtype=float32)
-  """
-  import optax
-  from jax.experimental import io_callback
-
-  import mnjax
-  mpi = comm.mpi_comm.Dup()   # the barrier's own traffic
-
-  def barrier(_):
-    mpi.Barrier()
-    return np.zeros((), np.float32)
-
-  def meet(token):
-    return io_callback(barrier, jax.ShapeDtypeStruct((), jnp.float32), token)
-
-  def update(grads, state, params=None):
-    token = sum((jnp.ravel(g)[0].astype(jnp.float32) for g in jax.tree.leaves(grads)),
-                jnp.zeros((), jnp.float32))
-    if comm.multi_device:   # one barrier per process; its other devices wait in the exchange
-      with mnjax.process_local():   # this process's device index, on purpose
-        first = jax.lax.axis_index(comm.axis_name) == 0
-      met = jax.lax.cond(first, meet, jnp.zeros_like, token)
-    else:
-      met = meet(token)
-    grads, _ = jax.lax.optimization_barrier((grads, met))
-    return tx.update(grads, state, params)
-
-  return optax.GradientTransformation(tx.init, update)

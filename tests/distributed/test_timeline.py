@@ -1,6 +1,6 @@
 """The timeline: a valid Perfetto trace with every collective once per rank and its bytes,
 the injected straggler named with its lateness, the handlers' time of an exchange free of the
-wait for it, ranks entering it together behind a barrier, clocks aligned within 1 ms, nothing traced
+wait for it, clocks aligned within 1 ms, nothing traced
 into a step while it is off, a size limit that keeps the last steps, bad paths refused on
 every rank."""
 
@@ -138,46 +138,6 @@ def test_the_handlers_time_an_exchange_without_the_wait_for_a_straggler(comm):
     assert seconds == 0.0
   else:
     assert 0.0 < seconds < sleep / 4, seconds
-
-
-def test_behind_the_barrier_the_ranks_enter_the_exchange_together(comm):
-  """`lab.bench.handler_time.entered_together`: a rank 0.2 s late before the update makes
-  the ranks reach the exchange 0.2 s apart, unless the update first meets at a barrier."""
-  if comm.size == 1:
-    pytest.skip("needs two ranks: one of them late")
-  from lab.bench.handler_time import entered_together, spans
-  sleep = 0.2
-
-  def late(x):
-    if comm.rank == comm.size - 1:
-      time.sleep(sleep)
-    return x
-
-  def arrivals(tx):
-    """The ranks' first in-step collective's start, ns, from the handlers' events."""
-    def step(params, opt_state):
-      grads = {"w": jax.pure_callback(late, params["w"], params["w"])}
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
-    run = mnjax.data_parallel(step, comm, batch_argnums=())
-    params = {"w": jnp.ones(1000)}
-    state = jax.block_until_ready(run(params, tx.init(params)))   # compile
-    recorder.set_active(True)
-    try:
-      recorder.drain()
-      comm.mpi_comm.Barrier()
-      state = jax.block_until_ready(run(*state))
-      events, _, _ = recorder.drain()
-    finally:
-      recorder.set_active(False)
-    return [s[0][0] for s in comm.mpi_comm.allgather(spans(events))], state
-
-  plain = optax.chain(mnjax.allreduce_gradients(comm), optax.sgd(0.1))
-  apart, one = arrivals(plain)
-  together, two = arrivals(entered_together(plain, comm))
-  assert max(apart) - min(apart) > sleep / 2 * 1e9
-  assert max(together) - min(together) < sleep / 4 * 1e9, together
-  np.testing.assert_array_equal(one[0]["w"], two[0]["w"])   # the same update
 
 
 def test_clock_offsets_are_estimated_within_a_millisecond(comm, tmp_path):
