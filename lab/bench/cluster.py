@@ -62,6 +62,10 @@ def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, fol
            "wire": r["wire"], "exchange_s": (diff[id(r)] if r.get("handler_seconds_per_step")
                                              is None else r["handler_seconds_per_step"]),
            "exchange_step_s": diff[id(r)], "step_s": r["seconds_per_step"],
+           # The link's idle time before each exchange: measured by the handlers, or the
+           # step's time outside its exchange.
+           "idle_s": (r["seconds_per_step"] - diff[id(r)] if r.get("handler_idle_seconds")
+                      is None else r["handler_idle_seconds"]),
            "tx_bytes": r["nodes"][0]["tx_bytes"] if r["nodes"] else None}
           for r in runs if r["wire"] != "none"]
 
@@ -85,8 +89,8 @@ def shaper(rate: str) -> dict:
 def fit_link(rows, *, nodes, rate, kind="flat", ranks_per_node=1, wire="fp32", sizes=FIT,
              relative=False) -> link.LinkFit | None:
   """alpha and bandwidth from the rows (`_job`) of one layout and wire, of `sizes`
-  (`link.fit` on each row's modelled uplink bytes, the shaper known from `rate`, the link
-  idle between two exchanges for the step's time outside its exchange); None (and says why)
+  (`link.fit` on each row's modelled uplink bytes, the shaper known from `rate`, each
+  row's idle link before its exchange, ``idle_s``); None (and says why)
   where the link is not the bottleneck. By default the link alone: ``flat``, one rank per
   node, float32."""
   fits = [r for r in rows if r["kind"] == kind and r["ranks_per_node"] == ranks_per_node
@@ -96,7 +100,7 @@ def fit_link(rows, *, nodes, rate, kind="flat", ranks_per_node=1, wire="fp32", s
     return link.fit([link.uplink_bytes(kind, 4 * r["params"], nodes=nodes,
                                        ranks_per_node=ranks_per_node, wire_bits=bits)
                      for r in fits], [r["exchange_s"] for r in fits], relative=relative,
-                    idle_s=[r["step_s"] - r["exchange_s"] for r in fits], **shaper(rate))
+                    idle_s=[r["idle_s"] for r in fits], **shaper(rate))
   except ValueError as e:   # the unshaped link: the cores, not the link, may set the time
     print(f"no link fit for {kind} x {ranks_per_node} per node ({wire}) at {rate}, {nodes} "
           f"nodes: {e}")
@@ -135,7 +139,7 @@ def _point(nodes, rate, steps, folder, big):
                                              ranks_per_node=r["ranks_per_node"], wire_bits=bits)
     r["predicted_s"] = f and f.exchange_time(r["kind"], 4 * r["params"], nodes=nodes,
                                              ranks_per_node=r["ranks_per_node"], wire_bits=bits,
-                                             idle_s=r["step_s"] - r["exchange_s"])
+                                             idle_s=r["idle_s"])
   return {"rate": rate, "nodes": nodes, "alpha_s": f and f.alpha,
           "bandwidth_Bps": f and f.bandwidth, "rows": rows}
 

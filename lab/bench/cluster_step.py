@@ -15,7 +15,8 @@ A job that fails is reported (its error in the point's ``failed``) and the other
 The model is calibrated once per job's layout, before the job: a job of float32 (and, where a
 variant uses it, bf16-wire) exchanges of 64 kB to 16 MB in that layout (`FIT`,
 `lab.costmodel.link.fit` with relative errors: a step's buckets are small; the shaper's
-burst and refill rate known from the rate, each point's idle link from its step) gives
+burst and refill rate known from the rate, each point's idle link before it from the
+handlers' events) gives
 alpha and an effective bandwidth that includes what the box's shared cores add to the link
 (the reductions and copies of every rank of a node). Each variant's exchange is then
 predicted from its bucket plan (the plan `allreduce_gradients` uses,
@@ -127,7 +128,7 @@ def step_point(nodes: int, rate: str, fit_layout, args, folder) -> dict:
     fits_of[f"{kind} {rpn}x{devices or 1}"] = {w: {
         **({} if f is None else {"alpha_s": f.alpha, "bandwidth_Bps": f.bandwidth,
                                  "burst_bytes": f.burst, "refill_Bps": f.refill}),
-        "points": [(r["params"], r["exchange_s"], r["step_s"]) for r in measured
+        "points": [(r["params"], r["exchange_s"], r["idle_s"]) for r in measured
                    if r["wire"] == w]}
         for w, f in fits.items()}
     plans = {m: {v: bucket_plan(m, v) for v in variants} for m in models}

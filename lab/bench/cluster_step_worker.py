@@ -146,7 +146,7 @@ def _time_model(name: str, comm, variants: list[str], args) -> dict:
   exchange = {}
   for v in (v for v in variants if v in EXCHANGE_ROWS):
     every_k = VARIANTS[v][0].get("local_sgd", 1)
-    exchange[v], _ = exchange_seconds(states[v], runs[v], comm.mpi_comm, windows=args.rounds,
+    exchange[v], _, _ = exchange_seconds(states[v], runs[v], comm.mpi_comm, windows=args.rounds,
                                       steps=every_k * -(-min(steps, 8) // every_k))
   n = sum(x.size for x in jax.tree.leaves(states["no_communication"].params))
   return {"params": int(n), "grad_bytes": 4 * int(n), "images_per_device": per_device,

@@ -4,8 +4,9 @@ each node's uplink bytes read around the timed steps.
 
 ``python -m lab.bench.cluster_worker --kind flat --params 1000000,4000000 --wire fp32,bf16
 --steps 5 --out r.json`` under ``mpirun`` or ``python -m lab.cluster run``. Rank 0 writes
-``{"runs": [{"params", "wire", "seconds_per_step", "handler_seconds_per_step" (with
-``--handler-windows``, else null), "nodes": [{"node", "tx_bytes",
+``{"runs": [{"params", "wire", "seconds_per_step", "handler_seconds_per_step" and
+"handler_idle_seconds" (with ``--handler-windows``, else null: the exchange per step and
+the link's idle time between two, `lab.bench.handler_time`), "nodes": [{"node", "tx_bytes",
 "rx_bytes"} per step], "params_sha256", "ranks_agree"}, ...], **runs[0]}``; outside a
 namespace (no ``eth0``) ``nodes`` is null. ``--shard``: after those runs, the same with
 `mnjax.shard_optimizer` (ZeRO-1's reduce-scatter + allgather; ``"optimizer": "shard"``).
@@ -83,12 +84,12 @@ def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False,
   seconds = time.perf_counter() - start
   world.Barrier()
   after = _counters()
-  handlers = None
+  handlers = idle = None
   if windows and wire is not None:
     def one(s):
       p, o, i = s
       return (*run(p, o, batch(i)), i + 1)
-    handlers, (params, opt_state, _) = exchange_seconds(
+    handlers, idle, (params, opt_state, _) = exchange_seconds(
         (params, opt_state, steps + 1), one, world, windows=windows, steps=steps)
   mine = None
   if before is not None and comm.intra_rank == 0:
@@ -100,6 +101,7 @@ def _measure(comm, n: int, wire: str | None, steps: int, shard: bool = False,
   digests = world.allgather(hashlib.sha256(w.tobytes()).hexdigest())
   return {"params": n, "wire": wire or "none", "optimizer": "shard" if shard else "allreduce",
           "seconds_per_step": max(times or [0]), "handler_seconds_per_step": handlers,
+          "handler_idle_seconds": idle,
           "nodes": sorted((x for x in nodes or [] if x), key=lambda x: x["node"]) or None,
           "params_sha256": digests[0], "ranks_agree": len(set(digests)) == 1,
           "params_head": w[:4].tolist()}

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["exchange_seconds", "spans", "union_seconds"]
+__all__ = ["exchange_seconds", "merged", "spans"]
 
 _MARKS = (3, 4)   # the handlers' step begin / end marks (`recorder.NATIVE_KINDS`): no exchange
 
@@ -31,44 +31,47 @@ def spans(events: np.ndarray) -> list[tuple[int, int]]:
                 zip(events["start_ns"], events["end_ns"], events["kind"]) if k not in _MARKS)
 
 
-def union_seconds(spans_by_rank: list[list[tuple[int, int]]]) -> float:
-  """Seconds covered by the union of each collective's ``[last arrival, last completion]``,
-  the i-th span of every rank being one collective.
+def merged(spans_by_rank: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+  """The union of each collective's ``[last arrival, last completion]`` (ns), as disjoint
+  intervals in time order, the i-th span of every rank being one collective.
 
   Example:
     >>> ms = 10**6
     >>> rank0 = [(0, 10 * ms), (20 * ms, 21 * ms)]   # arrived first at the first: waited
     >>> rank1 = [(6 * ms, 9 * ms), (20 * ms, 22 * ms)]
-    >>> union_seconds([rank0, rank1])   # 6-10 ms and 20-22 ms
-    0.006
+    >>> [(s // ms, t // ms) for s, t in merged([rank0, rank1])]
+    [(6, 10), (20, 22)]
   """
   counts = {len(s) for s in spans_by_rank}
   if len(counts) != 1:
-    raise RuntimeError(f"union_seconds: the ranks recorded {sorted(counts)} collectives: "
-                       "they ran different steps")
+    raise RuntimeError(f"merged: the ranks recorded {sorted(counts)} collectives: they ran "
+                       "different steps")
   lasts = sorted((max(s[i][0] for s in spans_by_rank), max(s[i][1] for s in spans_by_rank))
                  for i in range(counts.pop()))
-  total, end = 0, None
+  out: list[tuple[int, int]] = []
   for s, t in lasts:
-    if end is None or s > end:
-      total, end = total + t - s, t
-    elif t > end:
-      total, end = total + t - end, t
-  return total / 1e9
+    if out and s <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], t))
+    else:
+      out.append((s, t))
+  return out
 
 
 def exchange_seconds(state: Any, run: Callable[[Any], Any], mpi_comm, *, windows: int,
-                     steps: int) -> tuple[float, Any]:
-  """``(seconds of exchange per step, state)``: median over `windows` of `steps` steps each
-  (local SGD: a whole number of its rounds) of `union_seconds` over the ranks of `mpi_comm`,
-  divided by `steps`. `run` is compiled already; collective over `mpi_comm`.
+                     steps: int) -> tuple[float, float | None, Any]:
+  """``(seconds of exchange per step, seconds the link idles between two steps' exchanges,
+  state)``: medians over `windows` of `steps` steps each (local SGD: a whole number of its
+  rounds). A window's exchange is its `merged` intervals' total over the ranks of
+  `mpi_comm` divided by `steps`; its idle times, its ``steps - 1`` longest gaps between
+  them (None with one step per window). `run` is compiled already; collective over
+  `mpi_comm`.
 
   Example (a step without collectives: no exchange):
     >>> exchange_seconds(1.0, lambda s: s * 2, comm.mpi_comm, windows=2, steps=3)
-    (0.0, 64.0)
+    (0.0, None, 64.0)
   """
   from mnjax.comm._instep import _recorder as recorder
-  per_step = []
+  per_step, idle = [], []
   jax.block_until_ready(state)
   for _ in range(windows):
     recorder.set_active(True)
@@ -83,5 +86,8 @@ def exchange_seconds(state: Any, run: Callable[[Any], Any], mpi_comm, *, windows
       recorder.set_active(False)
     if mpi_comm.allreduce(lost):
       raise RuntimeError("exchange_seconds: the handlers' ring lost events: fewer steps")
-    per_step.append(union_seconds(mpi_comm.allgather(spans(events))) / steps)
-  return statistics.median(per_step), state
+    intervals = merged(mpi_comm.allgather(spans(events)))
+    per_step.append(sum(t - s for s, t in intervals) / 1e9 / steps)
+    gaps = sorted(b[0] - a[1] for a, b in zip(intervals, intervals[1:]))
+    idle += [g / 1e9 for g in gaps[max(len(gaps) - (steps - 1), 0):]] if steps > 1 else []
+  return statistics.median(per_step), (statistics.median(idle) if idle else None), state

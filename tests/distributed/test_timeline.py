@@ -130,14 +130,16 @@ def test_the_handlers_time_an_exchange_without_the_wait_for_a_straggler(comm):
   slow = step_fn(comm, slow_rank=comm.size - 1, sleep=sleep)
   state = jax.block_until_ready(slow(jnp.int32(0), TREE))
   start = time.perf_counter()
-  seconds, (n, _) = exchange_seconds(state, lambda s: slow(*s), comm.mpi_comm, windows=2, steps=2)
+  seconds, idle, (n, _) = exchange_seconds(state, lambda s: slow(*s), comm.mpi_comm,
+                                           windows=2, steps=2)
   per_step = (time.perf_counter() - start) / 4
   assert int(n) == 5   # 1 + 2 windows x 2 steps
   assert per_step >= sleep
   if comm.size == 1:   # no exchange crosses processes
-    assert seconds == 0.0
+    assert seconds == 0.0 and idle is None
   else:
     assert 0.0 < seconds < sleep / 4, seconds
+    assert idle >= sleep   # between two steps' exchanges: the late rank's nap
 
 
 def test_clock_offsets_are_estimated_within_a_millisecond(comm, tmp_path):
