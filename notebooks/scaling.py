@@ -409,9 +409,10 @@ display(Markdown(
 # `alpha + (uplink bytes - the shaper's burst) / bandwidth` per exchange (in a step: alpha
 # once for the buckets in flight together on `flat`, per bucket elsewhere; the burst as much
 # as refilled while the link idled), alpha and bandwidth fitted once per link and layout
-# (and wire) on exchanges alone, before the other points are predicted. Left: the 102 MB (ResNet-50) exchange per kind and wire at 1 Gbit/s
-# on the line of its own link's fit. Right: the step
-# efficiency (no-exchange step / step) of the digits CNN and a ResNet-10 on the curve
+# (and wire) on exchanges alone, before the other points are predicted. Left: the 102 MB
+# (ResNet-50) exchange per kind and wire at 1 Gbit/s on the line of its own link's fit.
+# Right: the step efficiency (no-exchange step / step) of the digits CNN and a ResNet-10 on
+# the curve
 # `t0 / (t0 + x(nodes))` the model draws from the measured no-exchange step `t0`; the dotted
 # curve is the same exchange fully overlapped, `t0 / max(t0, x)`. Points are read from the
 # committed JSON; the benchmark is not run here (it needs root and ~20 min).
@@ -478,10 +479,11 @@ display(Markdown(
 # On this 2-core machine every node, rank and TCP stream shares the same two cores: only at
 # 1 Gbit/s is the link the bottleneck, and with two ranks per node or at 4 nodes the cores
 # set part of the time. The model is calibrated per layout for that reason. In the committed
-# run (2026-12-05) the ResNet-10's exchanges (27-315 ms) came within 15% of the model in 4 of
-# 6 rows; the digits CNN's (0-17 ms, differences of two noisy step medians) in 3 of 14. Double
-# buffering took 0.86x and 0.93x plain's step on the ResNet at 2 and 4 nodes, local SGD
-# every 8 steps moved the ResNet's efficiency from 0.23-0.31 to 0.63-0.74.
+# run (2026-12-05, exchanges timed from the in-step handlers' events) the exchange rows came
+# within 15% of the model in 12 of 20: 12 of 14 on the link alone and under hierarchical,
+# none of the 6 with two ranks per node (1.4-2.7x). Double buffering took 0.90x and 1.00x
+# plain's step on the ResNet at 2 and 4 nodes, local SGD every 8 steps moved the ResNet's
+# efficiency from 0.21-0.39 to 0.56-0.83.
 # docs/results/cluster.md has the tables and says which claims held.
 
 # %% [markdown]
