@@ -139,7 +139,9 @@ def test_the_handlers_time_an_exchange_without_the_wait_for_a_straggler(comm):
     assert seconds == 0.0 and idle is None
   else:
     assert 0.0 < seconds < sleep / 4, seconds
-    assert idle >= sleep   # between two steps' exchanges: the late rank's nap
+    # Between two steps' exchanges: the late rank's nap, less the early rank's last
+    # completion after the late one's (the idle runs from the last completion).
+    assert 0.9 * sleep <= idle < 2 * sleep, idle
 
 
 def test_clock_offsets_are_estimated_within_a_millisecond(comm, tmp_path):
