@@ -57,17 +57,19 @@ def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, fol
               nodes=nodes, rate=rate, ranks_per_node=ranks_per_node, devices=devices)
   runs = json.loads(out.read_text())["runs"]
   base = {r["params"]: r["seconds_per_step"] for r in runs if r["wire"] == "none"}
-  diff = {id(r): max(r["seconds_per_step"] - base[r["params"]], 0) for r in runs}
-  return [{"kind": kind, "ranks_per_node": ranks_per_node, "params": r["params"],
-           "wire": r["wire"], "exchange_s": (diff[id(r)] if r.get("handler_seconds_per_step")
-                                             is None else r["handler_seconds_per_step"]),
-           "exchange_step_s": diff[id(r)], "step_s": r["seconds_per_step"],
-           # The link's idle time before each exchange: measured by the handlers, or the
-           # step's time outside its exchange.
-           "idle_s": (r["seconds_per_step"] - diff[id(r)] if r.get("handler_idle_seconds")
-                      is None else r["handler_idle_seconds"]),
-           "tx_bytes": r["nodes"][0]["tx_bytes"] if r["nodes"] else None}
-          for r in runs if r["wire"] != "none"]
+  rows = []
+  for r in (r for r in runs if r["wire"] != "none"):
+    step, alone = r["seconds_per_step"], base[r["params"]]
+    handlers, idle = r.get("handler_seconds_per_step"), r.get("handler_idle_seconds")
+    rows.append({
+        "kind": kind, "ranks_per_node": ranks_per_node, "params": r["params"],
+        "wire": r["wire"], "exchange_s": max(step - alone, 0) if handlers is None else handlers,
+        "exchange_step_s": max(step - alone, 0), "step_s": step,
+        # The link's idle time before each exchange: from the handlers' events, or the step
+        # without its exchange.
+        "idle_s": alone if idle is None else idle,
+        "tx_bytes": r["nodes"][0]["tx_bytes"] if r["nodes"] else None})
+  return rows
 
 
 def shaper(rate: str) -> dict:
