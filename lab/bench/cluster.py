@@ -3,8 +3,11 @@
     python -m lab.bench cluster                         # none, 1gbit, 10gbit x 2, 4 nodes
     python -m lab.bench cluster --rates 1gbit --nodes 2 --quick
     python -m lab.bench cluster --parts step            # train steps at 1gbit x 2, 4 nodes
+    python -m lab.bench cluster --parts gap             # one exchange after idle or compute
 
-Two parts (``--parts exchange,step``, both by default); the step part (train steps of the
+Three parts (``--parts exchange,step,gap``; exchange and step by default). The gap part
+(`gap_point`, at ``--step-rates``): the digits CNN's exchange alone at 1 and 2 ranks per
+node, back to back, after idle and after compute. The step part (train steps of the
 digits CNN and a ResNet-10 per layout: plain `allreduce_gradients`, the bf16 wire,
 backprop-order buckets, double buffering and local SGD, each predicted by the link model
 calibrated for its layout, at ``--step-rates``) is `lab.bench.cluster_step`'s. The
@@ -23,8 +26,8 @@ The step exchanges a flat float32 vector and applies SGD; its cost without the e
 timed in the same job and subtracted: the exchange time. Alpha and bandwidth are fitted
 (`lab.costmodel.link.fit`) on the 1-16 MB points only, then every 102 MB figure is
 predicted from the uplink bytes the model gives (`uplink_bytes`), before it is compared.
-Prints one table per rate and node count and writes ``runs/bench/cluster.json`` (both
-parts: ``points``, ``step_points``; rewritten after every step point).
+Prints one table per rate and node count and writes ``runs/bench/cluster.json`` (all
+parts: ``points``, ``step_points``, ``gap_points``; rewritten after every point).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ FIT = (250_000, 1_000_000, 2_000_000, 4_000_000)   # 1, 4, 8 and 16 MB
 
 
 def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, folder,
-         local_baseline=False, windows=0):
+         local_baseline=False, windows=0, before="none"):
   """The rows of one `lab.bench.cluster_worker` job: each exchange's time, the step's minus
   the no-exchange step's, or with `windows` the handlers' own (``exchange_step_s`` keeps
   the difference)."""
@@ -53,16 +56,18 @@ def _job(kind, sizes, wires, *, nodes, rate, ranks_per_node, devices, steps, fol
   cluster_job(["lab.bench.cluster_worker", "--kind", kind, "--params",
                ",".join(map(str, sizes)), "--wire", ",".join(wires), "--baseline", "--steps",
                str(steps), "--out", str(out), "--handler-windows", str(windows),
+               "--before", before,
                *(["--local-baseline"] if local_baseline else [])],
               nodes=nodes, rate=rate, ranks_per_node=ranks_per_node, devices=devices)
   runs = json.loads(out.read_text())["runs"]
-  base = {r["params"]: r["seconds_per_step"] for r in runs if r["wire"] == "none"}
+  base = {(r["before"], r["params"]): r["seconds_per_step"] for r in runs if r["wire"] == "none"}
   rows = []
   for r in (r for r in runs if r["wire"] != "none"):
-    step, alone = r["seconds_per_step"], base[r["params"]]
+    step, alone = r["seconds_per_step"], base[r["before"], r["params"]]
     handlers, idle = r.get("handler_seconds_per_step"), r.get("handler_idle_seconds")
     rows.append({
-        "kind": kind, "ranks_per_node": ranks_per_node, "params": r["params"],
+        "kind": kind, "ranks_per_node": ranks_per_node, "before": r["before"],
+        "params": r["params"],
         "wire": r["wire"], "exchange_s": max(step - alone, 0) if handlers is None else handlers,
         "exchange_step_s": max(step - alone, 0), "step_s": step,
         # The link's idle time before each exchange: from the handlers' events, or the step
@@ -146,6 +151,33 @@ def _point(nodes, rate, steps, folder, big):
           "bandwidth_Bps": f and f.bandwidth, "rows": rows}
 
 
+GAP_PARAMS = 151_306   # the digits CNN's gradient, 605 kB: the step part's exchange rows'
+
+
+def gap_point(nodes: int, rate: str, folder) -> dict:
+  """The digits CNN's exchange alone, at 1 and 2 ranks per node: back to back, after 10 ms
+  of idle, after 10 ms of compute on every rank with the ranks entering it together and
+  as they come (`lab.bench.cluster_worker.gap`), timed from the handlers' events. What
+  the shared cores add to an exchange that follows a step's compute, beside the link."""
+  from lab.bench.cluster_worker import GAPS
+  rows = []
+  for rpn in (1, 2):
+    rows += _job("flat", [GAP_PARAMS], ["fp32"], nodes=nodes, rate=rate, ranks_per_node=rpn,
+                 devices=None, steps=8, folder=folder, windows=3, before=",".join(GAPS))
+  return {"rate": rate, "nodes": nodes, "rows": rows}
+
+
+def _print_gap(point):
+  print(f"\n== the {4 * GAP_PARAMS / 1e3:.0f} kB exchange after ..., {point['rate']}, "
+        f"{point['nodes']} nodes (handlers' ms; x: over the same after idle)")
+  for rpn in sorted({r["ranks_per_node"] for r in point["rows"]}):
+    mine = {r["before"]: r for r in point["rows"] if r["ranks_per_node"] == rpn}
+    idle = mine["sleep"]["exchange_s"]
+    print(f"  {rpn} rank(s) per node: " + ", ".join(
+        f"{b} {r['exchange_s'] * 1e3:.2f} ({r['exchange_s'] / idle:.2f}x)"
+        for b, r in mine.items()))
+
+
 def _ratio(rows, a, b):
   def big(key):
     return next(r["exchange_s"] for r in rows
@@ -190,7 +222,8 @@ def main(argv: list[str]) -> None:
   p.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
   p.add_argument("--quick", action="store_true", help="a 16 MB 'large' exchange instead of 102 MB")
   p.add_argument("--parts", default="exchange,step",
-                 help="exchange (the flat-vector exchanges), step (train steps), or both")
+                 help="exchange (the flat-vector exchanges), step (train steps), gap (one "
+                      "exchange after idle or compute)")
   p.add_argument("--step-rates", default="1gbit",
                  help="rates of the step part (10gbit is core-bound on 2 cores)")
   p.add_argument("--models", default="cnn,resnet", help="the step part's models: cnn, resnet")
@@ -198,8 +231,8 @@ def main(argv: list[str]) -> None:
   p.add_argument("--out", default="runs/bench/cluster.json")
   args = p.parse_args(argv)
   parts = set(args.parts.split(","))
-  if not parts or not parts <= {"exchange", "step"}:
-    raise SystemExit(f"--parts: exchange and/or step, got {args.parts!r}")
+  if not parts or not parts <= {"exchange", "step", "gap"}:
+    raise SystemExit(f"--parts: exchange, step and/or gap, got {args.parts!r}")
   from lab.cluster import ClusterError, check_available
   try:
     check_available()
@@ -208,7 +241,7 @@ def main(argv: list[str]) -> None:
   from lab.bench import cluster_step
   big = 4_000_001 if args.quick else RESNET50
   node_counts = [int(n) for n in args.nodes.split(",")]
-  points, step_points, load = [], [], [os.getloadavg()[0]]
+  points, step_points, gap_points, load = [], [], [], [os.getloadavg()[0]]
   with tempfile.TemporaryDirectory(prefix="mnjax-bench-cluster-") as folder:
     if "exchange" in parts:
       for rate in args.rates.split(","):
@@ -223,16 +256,23 @@ def main(argv: list[str]) -> None:
                                   relative=True)
           step_points.append(cluster_step.step_point(nodes, rate, fit, args, folder))
           cluster_step.print_point(step_points[-1])
-          _write(args.out, points, step_points, argv, load)   # each point as it comes
+          _write(args.out, points, step_points, gap_points, argv, load)   # as it comes
+    if "gap" in parts:
+      for rate in args.step_rates.split(","):
+        for nodes in node_counts:
+          gap_points.append(gap_point(nodes, rate, folder))
+          _print_gap(gap_points[-1])
+          _write(args.out, points, step_points, gap_points, argv, load)
   load.append(os.getloadavg()[0])
-  _write(args.out, points, step_points, argv, load)
+  _write(args.out, points, step_points, gap_points, argv, load)
   print(f"\nload average (1 min) {load[0]:.1f} -> {load[1]:.1f}; wrote {args.out}")
 
 
-def _write(out, points, step_points, argv, load):
+def _write(out, points, step_points, gap_points, argv, load):
   Path(out).parent.mkdir(parents=True, exist_ok=True)
   Path(out).write_text(json.dumps(
-      {"points": points, "step_points": step_points, "command": ["python", "-m", "lab.bench",
+      {"points": points, "step_points": step_points, "gap_points": gap_points,
+       "command": ["python", "-m", "lab.bench",
        "cluster", *argv], "load_average_1min": [round(x, 2) for x in load]}, indent=1))
 
 

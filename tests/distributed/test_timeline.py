@@ -1,8 +1,8 @@
 """The timeline: a valid Perfetto trace with every collective once per rank and its bytes,
 the injected straggler named with its lateness, the handlers' time of an exchange free of the
-wait for it, clocks aligned within 1 ms, nothing traced
-into a step while it is off, a size limit that keeps the last steps, bad paths refused on
-every rank."""
+wait for it, and the fit worker's exchanges timed after their gap, clocks aligned within
+1 ms, nothing traced into a step while it is off, a size limit that keeps the last steps, bad
+paths refused on every rank."""
 
 import json
 import time
@@ -142,6 +142,26 @@ def test_the_handlers_time_an_exchange_without_the_wait_for_a_straggler(comm):
     # Between two steps' exchanges: the late rank's nap, less the early rank's last
     # completion after the late one's (the idle runs from the last completion).
     assert 0.9 * sleep <= idle < 2 * sleep, idle
+
+
+def test_the_fit_worker_times_each_exchange_after_its_gap(comm):
+  """``cluster_worker --before``: the handlers' idle time before each exchange is the gap
+  each step follows (a 0.1 s sleep, or compute), not the back-to-back steps' few ms; the
+  parameters stay identical across ranks; an unknown gap is refused."""
+  from lab.bench.cluster_worker import _measure, gap
+  with pytest.raises(ValueError, match="compute_aligned"):
+    gap("nap", 0.1, comm.mpi_comm)
+  rows = {mode: _measure(comm, 1000, "fp32", 3, windows=2, first=gap(mode, 0.1, comm.mpi_comm))
+          for mode in ("none", "sleep", "compute_aligned")}
+  assert all(r["ranks_agree"] and r["handler_seconds_per_step"] is not None
+             for r in rows.values())
+  if comm.size == 1:   # nothing crosses processes: no exchange, no idle between
+    assert all(r["handler_idle_seconds"] is None for r in rows.values())
+    return
+  assert rows["none"]["handler_idle_seconds"] < 0.05, rows["none"]
+  # The sleep is exact (less the last completion's lag, as above); the compute calibrated.
+  assert 0.09 <= rows["sleep"]["handler_idle_seconds"] < 0.5, rows["sleep"]
+  assert 0.05 <= rows["compute_aligned"]["handler_idle_seconds"] < 0.5, rows["compute_aligned"]
 
 
 def test_clock_offsets_are_estimated_within_a_millisecond(comm, tmp_path):
