@@ -97,17 +97,21 @@ def fit_link(rows, *, nodes, rate, kind="flat", ranks_per_node=1, wire="fp32", s
              relative=False) -> link.LinkFit | None:
   """alpha and bandwidth from the rows (`_job`) of one layout and wire, of `sizes`
   (`link.fit` on each row's modelled uplink bytes, the shaper known from `rate`, each
-  row's idle link before its exchange, ``idle_s``); None (and says why)
+  row's idle link before its exchange, ``idle_s``; with rows after idle beside rows back to
+  back, also ``alpha_first`` from the former); None (and says why)
   where the link is not the bottleneck. By default the link alone: ``flat``, one rank per
   node, float32."""
   fits = [r for r in rows if r["kind"] == kind and r["ranks_per_node"] == ranks_per_node
           and r["wire"] == wire and r["params"] in sizes]
   bits = 16 if wire == "bf16" else 32
+  # Rows after idle (``before`` sleep or compute) beside rows back to back: two alphas.
+  first = [r.get("before", "none") != "none" for r in fits]
   try:
     return link.fit([link.uplink_bytes(kind, 4 * r["params"], nodes=nodes,
                                        ranks_per_node=ranks_per_node, wire_bits=bits)
                      for r in fits], [r["exchange_s"] for r in fits], relative=relative,
-                    idle_s=[r["idle_s"] for r in fits], **shaper(rate))
+                    idle_s=[r["idle_s"] for r in fits],
+                    first=first if len(set(first)) == 2 else None, **shaper(rate))
   except ValueError as e:   # the unshaped link: the cores, not the link, may set the time
     print(f"no link fit for {kind} x {ranks_per_node} per node ({wire}) at {rate}, {nodes} "
           f"nodes: {e}")
@@ -115,17 +119,20 @@ def fit_link(rows, *, nodes, rate, kind="flat", ranks_per_node=1, wire="fp32", s
 
 
 def fit_job(*, nodes, rate, steps, folder, kind="flat", ranks_per_node=1, devices=None,
-            wires=("fp32",), sizes=FIT, relative=False,
-            windows=3) -> tuple[dict, list[dict]]:
+            wires=("fp32",), sizes=FIT, relative=False, windows=3,
+            before="none") -> tuple[dict, list[dict]]:
   """({wire: the fit or None}, the measured rows) from a job of one layout's exchanges of
   `sizes` float32 parameters alone: what the link and the box's shared cores (the
   reductions and copies of every rank on a node) cost that layout, calibrated once per
   point. Timed from the handlers' events (`windows` of `steps` steps,
   `lab.bench.handler_time`), as the step benchmark times its exchange rows; the baseline
   averages over each process's own devices, as the step benchmark's no-exchange step: the
-  exchange is what crosses processes."""
+  exchange is what crosses processes. `before`: the gaps each size is timed after
+  (`lab.bench.cluster_worker.gap`; ``none,sleep``: back to back and after idle, two
+  alphas)."""
   rows = _job(kind, sizes, list(wires), nodes=nodes, rate=rate, ranks_per_node=ranks_per_node,
-              devices=devices, steps=steps, folder=folder, local_baseline=True, windows=windows)
+              devices=devices, steps=steps, folder=folder, local_baseline=True, windows=windows,
+              before=before)
   return {w: fit_link(rows, nodes=nodes, rate=rate, kind=kind, ranks_per_node=ranks_per_node,
                       wire=w, sizes=sizes, relative=relative) for w in wires}, rows
 
@@ -253,7 +260,7 @@ def main(argv: list[str]) -> None:
         for nodes in node_counts:
           fit = functools.partial(fit_job, nodes=nodes, rate=rate, folder=folder,
                                   steps=cluster_step.FIT_STEPS, sizes=cluster_step.FIT,
-                                  relative=True)
+                                  relative=True, before=cluster_step.FIT_BEFORE)
           step_points.append(cluster_step.step_point(nodes, rate, fit, args, folder))
           cluster_step.print_point(step_points[-1])
           _write(args.out, points, step_points, gap_points, argv, load)   # as it comes

@@ -13,17 +13,20 @@ ResNet-10, each against the same step with no cross-node exchange, `JOBS`):
 A job that fails is reported (its error in the point's ``failed``) and the others still run.
 
 The model is calibrated once per job's layout, before the job: a job of float32 (and, where a
-variant uses it, bf16-wire) exchanges of 64 kB to 16 MB in that layout (`FIT`,
-`lab.costmodel.link.fit` with relative errors: a step's buckets are small; the shaper's
-burst and refill rate known from the rate, each point's idle link before it from the
-handlers' events) gives
-alpha and an effective bandwidth that includes what the box's shared cores add to the link
-(the reductions and copies of every rank of a node). Each variant's exchange is then
+variant uses it, bf16-wire) exchanges of 64 kB to 16 MB in that layout (`FIT`), each size
+back to back and after 10 ms of idle (`FIT_BEFORE`), fitted by `lab.costmodel.link.fit`
+with relative errors (a step's buckets are small; the shaper's burst and refill rate known
+from the rate, each point's idle link before it from the handlers' events). It gives
+``alpha_first`` (an exchange after idle, as a step's first after its compute), ``alpha``
+(one back to back, as a step's later buckets) and an effective bandwidth that includes
+what the box's shared cores add to the link (the reductions and copies of every rank of
+a node). Each variant's exchange is then
 predicted from its bucket plan (the plan `allreduce_gradients` uses,
 `lab.costmodel.step.planned_buckets`) and the time the link idles while the step computes
 (the no-exchange step's time, the one input the job gives: the shaper's bucket refills
 then): ``LinkFit.buckets_time``, buckets in flight together on ``flat`` without a wire
-(alpha once), one after the other elsewhere; local SGD's every ``every_k`` steps. The
+(``alpha_first`` once), one after the other elsewhere (``alpha_first``, then ``alpha``
+each); local SGD's every ``every_k`` steps. The
 exchange rows, where the model claims the time (`EXCHANGE_ROWS`:
 nothing overlaps), are timed as the fit is, from the in-step handlers' own events
 (`lab.bench.handler_time`: each collective from its last arrival to its last completion), and
@@ -48,6 +51,9 @@ from lab.bench.cluster_step_worker import EXCHANGE_ROWS, NEVER, VARIANTS
 # 5-520 kB, the ResNet's up to 9.4 MB).
 FIT = (16_000, 62_500, 250_000, 1_000_000, 4_000_000)
 FIT_STEPS = 10   # timed steps per size: the small exchanges are a few ms, noisy alone
+# Each size back to back and after 10 ms of idle: a step's first exchange follows its
+# compute (`LinkFit.alpha_first`), its later buckets follow one another (`alpha`).
+FIT_BEFORE = "none,sleep"
 
 # (kind, ranks per node, devices per rank, models, variants): the jobs of one point. The
 # ResNet runs on the link alone: its per-rank BatchNorm differs across a process's devices
@@ -126,10 +132,11 @@ def step_point(nodes: int, rate: str, fit_layout, args, folder) -> dict:
       fits, measured = {}, []
     # The measured points are kept with or without a fit: where none came, they say why.
     fits_of[f"{kind} {rpn}x{devices or 1}"] = {w: {
-        **({} if f is None else {"alpha_s": f.alpha, "bandwidth_Bps": f.bandwidth,
-                                 "burst_bytes": f.burst, "refill_Bps": f.refill}),
-        "points": [(r["params"], r["exchange_s"], r["idle_s"]) for r in measured
-                   if r["wire"] == w]}
+        **({} if f is None else {"alpha_s": f.alpha, "alpha_first_s": f.alpha_first,
+                                 "bandwidth_Bps": f.bandwidth, "burst_bytes": f.burst,
+                                 "refill_Bps": f.refill}),
+        "points": [(r["params"], r["exchange_s"], r["idle_s"], r["before"])
+                   for r in measured if r["wire"] == w]}
         for w, f in fits.items()}
     plans = {m: {v: bucket_plan(m, v) for v in variants} for m in models}
     start = time.perf_counter()
@@ -191,8 +198,12 @@ def within(rows, tolerance: float = 0.15) -> tuple[int, int]:
 
 
 def print_point(point: dict) -> None:
+  def alphas(f):
+    first = f.get("alpha_first_s")
+    return f"alpha {f['alpha_s'] * 1e3:.1f} ms" + ("" if first is None else
+                                                   f" (first {first * 1e3:.1f})")
   fits = "; ".join(f"{layout} {w}: " + ("none" if "alpha_s" not in f else
-                   f"alpha {f['alpha_s'] * 1e3:.1f} ms, {f['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s")
+                   f"{alphas(f)}, {f['bandwidth_Bps'] * 8 / 1e9:.2f} Gbit/s")
                    for layout, by_wire in point["fits"].items() for w, f in by_wire.items())
   good, rows = within(point["rows"])
   print(f"\n== steps at {point['rate']}, {point['nodes']} nodes: fits {fits}; exchange rows "

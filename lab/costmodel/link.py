@@ -71,6 +71,10 @@ class LinkFit:
   """``t = alpha + max(0, bytes_per_node - burst) / bandwidth`` for one exchange over the
   emulated uplinks.
 
+  `alpha_first`: the latency of a step's first exchange, after the link and the ranks'
+  progress threads idled through the step's compute (None: `alpha`); `alpha` is then what
+  each exchange that follows another back to back pays.
+
   `burst`: bytes a shaper with a full token bucket lets through at once (tc's ``tbf``
   ``burst``, `lab.cluster.burst_bytes`: 250 kB at 1 Gbit/s). The bucket refills at the
   shaper's rate, `refill` bytes/s, while the link is idle: an exchange after ``idle_s`` of
@@ -83,6 +87,7 @@ class LinkFit:
   bandwidth: float
   burst: float = 0.0
   refill: float = 0.0
+  alpha_first: float | None = None
 
   def available_burst(self, idle_s: float | None = None) -> float:
     """Bytes of the burst an exchange gets after the link was idle `idle_s` (None: long).
@@ -113,27 +118,32 @@ class LinkFit:
     """Predicted seconds of a step's exchange of `buckets` (float32 bytes each), the link
     idle for `idle_s` before it (the step's compute; None: long enough to refill the burst).
 
-    One after the other, every bucket pays ``alpha``; `in_flight` (``flat`` without a 16-bit
-    wire: each bucket starts as soon as the previous one has started), the buckets share the
-    link and pay ``alpha`` once. The burst counts once per step (`available_burst`).
+    The first bucket pays ``alpha_first``; one after the other, every later bucket pays
+    ``alpha``; `in_flight` (``flat`` without a 16-bit wire: each bucket starts as soon as
+    the previous one has started), the buckets share the link and pay the first's latency
+    only. The burst counts once per step (`available_burst`).
 
     >>> f = LinkFit(1e-3, 1e8)
     >>> [round(f.buckets_time("flat", [1e6, 1e6], nodes=2, in_flight=i), 3) for i in (0, 1)]
     [0.022, 0.021]
+    >>> g = LinkFit(1e-3, 1e8, alpha_first=3e-3)
+    >>> [round(g.buckets_time("flat", [1e6, 1e6], nodes=2, in_flight=i), 3) for i in (0, 1)]
+    [0.024, 0.023]
     """
     if not buckets:
       return 0.0
+    first = self.alpha if self.alpha_first is None else self.alpha_first
     if nodes == 1:
-      return self.alpha
+      return first
     sent = sum(uplink_bytes(kind, b, nodes=nodes, ranks_per_node=ranks_per_node,
                             wire_bits=wire_bits) for b in buckets)
-    latencies = 1 if in_flight else len(buckets)
+    later = 0 if in_flight else len(buckets) - 1
     beyond = max(0.0, sent - self.available_burst(idle_s))
-    return latencies * self.alpha + beyond / self.bandwidth
+    return first + later * self.alpha + beyond / self.bandwidth
 
 
 def fit(bytes_per_node, seconds, *, relative: bool = False, burst: float = 0.0,
-        refill: float = 0.0, idle_s=None) -> LinkFit:
+        refill: float = 0.0, idle_s=None, first=None) -> LinkFit:
   """Least-squares alpha and bandwidth from (uplink bytes per exchange, seconds) points.
 
   `relative`: minimise relative, not absolute, errors (each point weighted by 1/seconds), so
@@ -141,6 +151,11 @@ def fit(bytes_per_node, seconds, *, relative: bool = False, burst: float = 0.0,
   messages, as a step's small buckets need it. `burst` and `refill`: the shaper's
   (`LinkFit`), known from its configuration, with `idle_s` the link's idle time before each
   point (None: long): the bytes beyond the burst each point got are what the bandwidth moves.
+  `first` (one bool per point): the points that are a step's first exchange after idle
+  (they give `alpha_first`; the others, exchanges back to back, `alpha`; one bandwidth).
+  A back-to-back point that got part of the burst (more bytes than refilled, fewer than the
+  whole burst beyond that) is left out there: how much of the burst it had is the least
+  certain, and it would move the bandwidth; the points after idle had all of it.
 
   >>> f = fit([1e6, 1e7, 1e8], [0.011, 0.02, 0.11])
   >>> round(f.alpha, 3), round(f.bandwidth / 1e9, 2)
@@ -155,6 +170,10 @@ def fit(bytes_per_node, seconds, *, relative: bool = False, burst: float = 0.0,
   ...         idle_s=[5e-4] * 3)   # back to back: 50 kB of the burst refilled
   >>> round(h.alpha * 1e3, 2), round(h.bandwidth / 1e6)
   (1.0, 100)
+  >>> k = fit([1e5, 1e6, 1e5, 1e6], [0.0010, 0.0100, 0.0015, 0.0105],   # +0.5 ms after idle
+  ...         first=[False, False, True, True])
+  >>> round(k.alpha * 1e3, 2), round(k.alpha_first * 1e3, 2), round(k.bandwidth / 1e6)
+  (0.0, 0.5, 100)
   """
   b = np.asarray(bytes_per_node, float)
   t = np.asarray(seconds, float)
@@ -165,8 +184,21 @@ def fit(bytes_per_node, seconds, *, relative: bool = False, burst: float = 0.0,
   beyond = np.maximum(b - np.asarray([shaper.available_burst(i) for i in idle]), 0.0)
   if np.count_nonzero(beyond) < 1 or np.unique(beyond).size < 2:
     raise ValueError(f"need points of two sizes, one beyond the burst ({burst:.0f} bytes)")
-  slope, alpha = np.polyfit(beyond, t, 1, w=1 / t if relative else None)
+  w = 1 / t if relative else np.ones_like(t)
+  if first is None:
+    slope, alpha = np.polyfit(beyond, t, 1, w=w)
+    alpha_first = None
+  else:
+    f = np.asarray(first, bool)
+    if f.shape != t.shape or f.all() or not f.any():
+      raise ValueError("first: one bool per point, some True and some False")
+    keep = f | ~((beyond > 0) & (beyond < float(burst)))
+    columns = np.stack([~f, f, beyond], axis=1).astype(float)[keep]
+    (alpha, alpha_first, slope), *_ = np.linalg.lstsq(columns * w[keep, None], (t * w)[keep],
+                                                      rcond=None)
+    alpha_first = max(float(alpha_first), 0.0)
   if slope <= 0:
     raise ValueError("the exchange time does not grow with the bytes: the link is not the "
                      "bottleneck (fewer ranks, a lower rate, or larger messages)")
-  return LinkFit(max(float(alpha), 0.0), 1 / float(slope), float(burst), float(refill))
+  return LinkFit(max(float(alpha), 0.0), 1 / float(slope), float(burst), float(refill),
+                 alpha_first)

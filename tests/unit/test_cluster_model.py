@@ -1,6 +1,6 @@
 """lab.cluster without namespaces (argument checks, the mpirun line, the job's environment) and
 lab.costmodel.link (uplink bytes, the alpha/beta fit, the shaper's burst refilling while the
-link idles)."""
+link idles, a step's first exchange's own alpha)."""
 
 import pytest
 
@@ -120,6 +120,35 @@ def test_a_steps_buckets_pay_alpha_once_in_flight_and_each_one_after_the_other()
       pytest.approx(sum(f.exchange_time("flat", b, nodes=4, ranks_per_node=2, wire_bits=16)
                         for b in buckets)))
   assert f.buckets_time("flat", [], nodes=4) == 0.0
+
+
+def test_a_steps_first_exchange_pays_alpha_first_and_the_fit_tells_the_two_apart():
+  """After the step's compute the first bucket pays `alpha_first`; the buckets after it
+  (one after the other) pay `alpha`. Points back to back and after idle, marked, give both;
+  one alpha for all of them fits neither."""
+  f = link.LinkFit(2e-4, 1.1e8, burst=2.5e5, refill=1.25e8, alpha_first=6e-4)
+  buckets = [1e5, 5e5, 2e5]
+  apart = f.buckets_time("flat", buckets, nodes=2, idle_s=0.01)
+  together = f.buckets_time("flat", buckets, nodes=2, idle_s=0.01, in_flight=True)
+  beyond = (sum(buckets) - 2.5e5) / 1.1e8
+  assert apart == pytest.approx(6e-4 + 2 * 2e-4 + beyond)
+  assert together == pytest.approx(6e-4 + beyond)
+  assert link.LinkFit(2e-4, 1.1e8).buckets_time("flat", buckets, nodes=2) == pytest.approx(
+      3 * 2e-4 + sum(buckets) / 1.1e8)   # no alpha_first: alpha for every bucket
+  sizes = [6.4e4, 2.5e5, 1e6, 4e6]
+  idle = [2e-4] * 4 + [0.01] * 4   # back to back, then each after 10 ms of idle
+  first = [False] * 4 + [True] * 4
+  times = [f.buckets_time("flat", [s], nodes=2, idle_s=i) - (0 if m else 4e-4)
+           for s, i, m in zip(sizes * 2, idle, first)]
+  sent = [link.uplink_bytes("flat", s, nodes=2) for s in sizes * 2]
+  both = link.fit(sent, times, burst=2.5e5, refill=1.25e8, idle_s=idle, first=first,
+                  relative=True)
+  assert both.alpha == pytest.approx(2e-4) and both.alpha_first == pytest.approx(6e-4)
+  assert both.bandwidth == pytest.approx(1.1e8)
+  one = link.fit(sent, times, burst=2.5e5, refill=1.25e8, idle_s=idle, relative=True)
+  assert one.alpha_first is None and abs(one.alpha - 2e-4) > 1e-4
+  with pytest.raises(ValueError, match="some True and some False"):
+    link.fit(sent, times, first=[True] * 8)
 
 
 def test_the_step_benchmark_predicts_each_variant_from_its_layouts_fit():
