@@ -478,12 +478,14 @@ display(Markdown(
 # %% [markdown]
 # On this 2-core machine every node, rank and TCP stream shares the same two cores: only at
 # 1 Gbit/s is the link the bottleneck, and with two ranks per node or at 4 nodes the cores
-# set part of the time. The model is calibrated per layout for that reason. In the committed
-# run (2026-12-05, exchanges timed from the in-step handlers' events) the exchange rows came
-# within 15% of the model in 12 of 20: 12 of 14 on the link alone and under hierarchical,
-# none of the 6 with two ranks per node (1.4-2.7x). Double buffering took 0.90x and 1.00x
-# plain's step on the ResNet at 2 and 4 nodes, local SGD every 8 steps moved the ResNet's
-# efficiency from 0.21-0.39 to 0.56-0.83.
+# set part of the time. The model is calibrated per layout for that reason, with its own
+# latency for a step's first exchange after compute. In the committed run (2026-12-06,
+# exchanges timed from the in-step handlers' events) the exchange rows came within 15% of
+# the model in 11 of 20 (the one-latency model: 8 of 20 on the same rows): 10 of 14 on the
+# link alone and under hierarchical, 1 of 6 with two ranks per node, where an exchange
+# after compute does not repeat within 15% on 2 cores. Double buffering took 0.86x and
+# 0.93x plain's step on the ResNet at 2 and 4 nodes, local SGD every 8 steps moved the
+# ResNet's efficiency from 0.25-0.32 to 0.62-0.73.
 # docs/results/cluster.md has the tables and says which claims held.
 
 # %% [markdown]
