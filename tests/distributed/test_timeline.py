@@ -145,8 +145,9 @@ def test_the_handlers_time_an_exchange_without_the_wait_for_a_straggler(comm):
 
 
 def test_the_fit_worker_times_each_exchange_after_its_gap(comm):
-  """``cluster_worker --before``: the handlers' idle time before each exchange is the gap
-  each step follows (a 0.1 s sleep, or compute), not the back-to-back steps' few ms; the
+  """``cluster_worker --before``: the handlers' idle time before each exchange holds the
+  0.1 s sleep each step follows, beyond the back-to-back steps'; with compute before each
+  step (calibrated to the machine's speed as the gap is built) the steps run too; the
   parameters stay identical across ranks; an unknown gap is refused."""
   from lab.bench.cluster_worker import _measure, gap
   with pytest.raises(ValueError, match="compute_aligned"):
@@ -155,13 +156,14 @@ def test_the_fit_worker_times_each_exchange_after_its_gap(comm):
           for mode in ("none", "sleep", "compute_aligned")}
   assert all(r["ranks_agree"] and r["handler_seconds_per_step"] is not None
              for r in rows.values())
+  idle = {mode: r["handler_idle_seconds"] for mode, r in rows.items()}
   if comm.size == 1:   # nothing crosses processes: no exchange, no idle between
-    assert all(r["handler_idle_seconds"] is None for r in rows.values())
+    assert all(i is None for i in idle.values())
     return
-  assert rows["none"]["handler_idle_seconds"] < 0.05, rows["none"]
-  # The sleep is exact (less the last completion's lag, as above); the compute calibrated.
-  assert 0.09 <= rows["sleep"]["handler_idle_seconds"] < 0.5, rows["sleep"]
-  assert 0.05 <= rows["compute_aligned"]["handler_idle_seconds"] < 0.5, rows["compute_aligned"]
+  # The sleep is exact, less the last completion's lag (as above); back to back, the steps
+  # follow one another as fast as the machine lets them, and the sleep adds its 0.1 s.
+  assert idle["sleep"] >= 0.09 and idle["sleep"] - idle["none"] >= 0.05, idle
+  assert idle["compute_aligned"] > 0, idle
 
 
 def test_clock_offsets_are_estimated_within_a_millisecond(comm, tmp_path):
