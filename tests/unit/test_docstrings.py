@@ -7,7 +7,8 @@ names in scope: ``mnjax, lab, jax, jnp, np, optax, nn`` and a size-1 ``comm``.
 Each example runs in a fresh temporary working directory, so that relative paths such as
 ``runs/digits`` land there (or it writes under ``tempfile.mkdtemp()``). It must leave the
 test process as it found it: the same environment variables, JAX config, working
-directory, exception hook and files in the directory the tests started in.
+directory, exception hook and files in the directory the tests started in (but for the venvs
+and logs that ``.ci/run``'s background set-ups write there meanwhile).
 """
 
 import doctest
@@ -55,11 +56,17 @@ def _examples(name: str) -> list[doctest.DocTest]:
   return [t for t in tests if t.examples and t.filename == getattr(module, "__file__", None)]
 
 
+#: What `.ci/run`'s background set-ups write beside the suite (the CUDA and Open MPI venvs,
+#: their logs and lock): they may appear while an example runs.
+BACKGROUND = (".venv-", ".ci-")
+
+
 def _process_state(home: str) -> dict:
   """What an example must not change in the test process."""
+  files = sorted(f for f in os.listdir(home) if not f.startswith(BACKGROUND))
   return {"environment": dict(os.environ), "jax config": dict(jax.config.values),
           "working directory": os.getcwd(), "sys.excepthook": sys.excepthook,
-          f"files in {home}": sorted(os.listdir(home))}
+          f"files in {home}": files}
 
 
 CASES = [t for name in _modules() for t in _examples(name)]
