@@ -235,11 +235,18 @@ def main(argv: list[str]) -> None:
                  help="rates of the step part (10gbit is core-bound on 2 cores)")
   p.add_argument("--models", default="cnn,resnet", help="the step part's models: cnn, resnet")
   p.add_argument("--rounds", type=int, default=3, help="the step part's timed rounds")
+  p.add_argument("--fit-before", default=None,
+                 help="the gaps the step part's link fit times each size after (default "
+                      "none,sleep: lab.bench.cluster_step.FIT_BEFORE; every gap but none "
+                      "counts as after idle, for alpha_first)")
   p.add_argument("--out", default="runs/bench/cluster.json")
   args = p.parse_args(argv)
   parts = set(args.parts.split(","))
   if not parts or not parts <= {"exchange", "step", "gap"}:
     raise SystemExit(f"--parts: exchange, step and/or gap, got {args.parts!r}")
+  from lab.bench.cluster_worker import GAPS
+  if args.fit_before is not None and not set(args.fit_before.split(",")) <= set(GAPS):
+    raise SystemExit(f"--fit-before: one or more of {', '.join(GAPS)}, got {args.fit_before!r}")
   from lab.cluster import ClusterError, check_available
   try:
     check_available()
@@ -260,7 +267,8 @@ def main(argv: list[str]) -> None:
         for nodes in node_counts:
           fit = functools.partial(fit_job, nodes=nodes, rate=rate, folder=folder,
                                   steps=cluster_step.FIT_STEPS, sizes=cluster_step.FIT,
-                                  relative=True, before=cluster_step.FIT_BEFORE)
+                                  relative=True,
+                                  before=args.fit_before or cluster_step.FIT_BEFORE)
           step_points.append(cluster_step.step_point(nodes, rate, fit, args, folder))
           cluster_step.print_point(step_points[-1])
           _write(args.out, points, step_points, gap_points, argv, load)   # as it comes

@@ -1,6 +1,7 @@
-"""lab.cluster without namespaces (argument checks, the mpirun line, the job's environment) and
-lab.costmodel.link (uplink bytes, the alpha/beta fit, the shaper's burst refilling while the
-link idles, a step's first exchange's own alpha)."""
+"""lab.cluster without namespaces (argument checks, the mpirun line, the job's environment), the
+cluster benchmark's argument checks, and lab.costmodel.link (uplink bytes, the alpha/beta
+fit, the shaper's burst refilling while the link idles, a step's first exchange's own alpha).
+"""
 
 import pytest
 
@@ -18,6 +19,17 @@ def test_rates(rate, bits):
 def test_bad_rates_say_what_is_expected(rate):
   with pytest.raises(cluster.ClusterError, match="expected a positive tc rate"):
     cluster.rate_bits(rate)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parts", "steps"], "--parts: exchange, step and/or gap, got 'steps'"),
+    (["--parts", "step", "--fit-before", "none,nap"],
+     "--fit-before: one or more of none, sleep, compute_aligned, compute, got 'none,nap'"),
+])
+def test_the_cluster_benchmark_refuses_bad_parts_and_gaps_before_any_job(args, message):
+  from lab.bench import cluster as bench
+  with pytest.raises(SystemExit, match=message):
+    bench.main(args)
 
 
 def test_without_root_it_says_so(monkeypatch):
