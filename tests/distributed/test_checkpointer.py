@@ -1,5 +1,5 @@
 """Checkpointer: exact round trip, keep N, verified restore with fallback, the same step on
-every rank (1 process and under mpirun -n 2 and -n 3; rank 0 writes, in its own tmp_path)."""
+every rank (1 process and under mpirun -n 2; rank 0 writes, in its own tmp_path)."""
 
 import re
 from pathlib import Path

@@ -2,7 +2,7 @@
 allgather, alltoall, gather and scatter): results and gradients against numpy, empty parts,
 and tables or parts that differ across ranks refused on every rank before anything moves.
 
-Runs as one process and under mpirun -n 2, -n 3 (tests/jobs/test_mpirun.py) and -n 4. Rank
+Runs as one process and under mpirun -n 2 and -n 4 (tests/jobs/test_mpirun.py). Rank
 r's part has r rows (rank 0's is empty, as in ChainerMN's tests). Each rank differentiates
 its own loss; the backward exchanges combine them, so rank r's gradient sums what every
 rank's loss weighs its part with.

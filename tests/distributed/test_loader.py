@@ -1,7 +1,7 @@
 """The sharded input pipeline: the training order of epoch_batches, exactly once per epoch
 over ranks when evaluating, deterministic, prefetched; the one dataset registry.
 
-Runs in one process and under mpirun -n 2 and -n 3 (tests/jobs/test_mpirun.py); tensorflow-datasets
+Runs in one process and under mpirun -n 2 (tests/jobs/test_mpirun.py); tensorflow-datasets
 sources are replaced by `tfds.testing.mock_data` (nothing can be downloaded here).
 """
 

@@ -1,8 +1,8 @@
 """mnjax.model_parallel.MultiNodeChain as a graph: stages with several inputs, a stage taken
 by several, pytree activations, a rank that runs several stages and a rank that runs none.
 
-Runs as one process and under mpirun -n 2, -n 3 (tests/jobs/test_mpirun.py) and -n 4
-(`test_multi_node_chain_under_mpirun_4`). Stages sit on ``rank % comm.size``, so every size
+Runs as one process and under mpirun -n 2 and -n 4 (tests/jobs/test_mpirun.py,
+`test_model_parallel_under_mpirun_4`; not at 3). Stages sit on ``rank % comm.size``, so every size
 runs the same model: the gradients of every rank's stages equal the whole model's in one
 process (`apply_all`), whatever the placement.
 """

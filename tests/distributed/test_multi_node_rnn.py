@@ -2,7 +2,7 @@
 sequence run over a chain of ranks, each rank its own stretch and its own layers, the
 carries passed along; the gradients equal the single-process model's.
 
-Runs as one process and under mpirun -n 2, -n 3 (tests/jobs/test_mpirun.py) and -n 4. Rank
+Runs as one process and under mpirun -n 2 and -n 4 (tests/jobs/test_mpirun.py). Rank
 r runs an LSTM layer then a GRU layer (carries: a tuple and an array) on time steps
 [3r, 3r + 3) of the sequence, from rank r - 1's final carries, and sends its own to rank
 r + 1; each rank's loss is its outputs' squared error. The reference runs every rank's
