@@ -14,9 +14,13 @@ __all__ = ["abort", "install", "installed"]
 
 #: Seconds between printing the error and aborting, so other failing ranks print theirs.
 GRACE_SECONDS = 2.0
+#: Seconds between printing and aborting by default: the abort reaches the launcher by
+#: another channel than the rank's output, and a launcher that ends the job first drops what
+#: it has not forwarded yet (MPICH's mpiexec under load: the whole message).
+FLUSH_SECONDS = 1.0
 
 
-def abort(message: str, *, errorcode: int = 1, grace: float = 0.0) -> None:
+def abort(message: str, *, errorcode: int = 1, grace: float = FLUSH_SECONDS) -> None:
   """Prints `message` to stderr and, after `grace` seconds, aborts every rank of the job.
 
   Example:

@@ -80,7 +80,7 @@ def test_every_public_name_is_in_the_api_table():
   assert not missing, (
       f"{_rel(API)} has no row for these public names: {', '.join(missing)}. Add one row per"
       " name to the table of its subpackage, its first cell the qualified name in backticks"
-      " with its signature (e.g. `mnjax.comm.abort(message, *, errorcode=1, grace=0.0)`; a"
+      " with its signature (e.g. `mnjax.comm.abort(message, *, errorcode=1, grace=1.0)`; a"
       " top-level re-export also as `mnjax.NAME`), then one or two short sentences. If a name"
       " is not meant to be public, remove it from its module's __all__ instead.")
 
